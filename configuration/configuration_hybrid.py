@@ -1,0 +1,208 @@
+"""Configuration of the hybrid model: sliding-window attention with a Mamba-1 selective-SSM history branch.
+
+`../DESIGN.md` (shared with the kernels and the vLLM model) fixes the math these fields parameterise.
+"""
+
+import math
+
+from transformers.activations import ACT2FN
+from transformers.configuration_utils import PreTrainedConfig
+from transformers.modeling_rope_utils import RopeParameters
+
+HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class HybridConfig(PreTrainedConfig):
+    r"""
+    Configuration of a [`HybridModel`]. Every decoder layer runs causal attention (sliding-window or full, per
+    `layer_types`) in parallel with a Mamba-1 selective-SSM "history branch" that reads the same normalised input and
+    carries what has left the window; the two outputs are summed before `o_proj`. The defaults give a ~1B model.
+
+    Args:
+        vocab_size (`int`, *optional*, defaults to 32000):
+            Vocabulary size.
+        hidden_size (`int`, *optional*, defaults to 2048):
+            Dimension of the residual stream.
+        intermediate_size (`int`, *optional*, defaults to 5632):
+            Dimension of the SwiGLU MLP.
+        num_hidden_layers (`int`, *optional*, defaults to 16):
+            Number of decoder layers.
+        num_attention_heads (`int`, *optional*, defaults to 16):
+            Number of query heads H.
+        num_key_value_heads (`int`, *optional*, defaults to 4):
+            Number of key/value heads (GQA); must divide `num_attention_heads`. `None` means `num_attention_heads`.
+        head_dim (`int`, *optional*):
+            Dimension D of each attention head; even (RoPE). `None` means `hidden_size // num_attention_heads`.
+        hidden_act (`str`, *optional*, defaults to `"silu"`):
+            Activation of the MLP gate.
+        max_position_embeddings (`int`, *optional*, defaults to 32768):
+            Longest position the RoPE parameters were chosen for.
+        initializer_range (`float`, *optional*, defaults to 0.02):
+            Standard deviation of the normal initialiser of the linear and embedding weights.
+        rms_norm_eps (`float`, *optional*, defaults to 1e-06):
+            Epsilon of the RMSNorms.
+        use_cache (`bool`, *optional*, defaults to `True`):
+            Whether the model returns its cache (`HybridCache`) for generation.
+        tie_word_embeddings (`bool`, *optional*, defaults to `False`):
+            Whether `lm_head` shares the input embedding matrix.
+        rope_parameters (`RopeParameters` or `dict`, *optional*):
+            RoPE parameters in Transformers' format (`rope_theta`, `rope_type`, ...); defaults to theta 10000.
+        attention_bias (`bool`, *optional*, defaults to `False`):
+            Whether q/k/v/o projections have a bias.
+        attention_dropout (`float`, *optional*, defaults to 0.0):
+            Dropout on the attention probabilities during training.
+        sliding_window (`int`, *optional*, defaults to 4096):
+            Window W of `"sliding_attention"` layers: query `t` sees keys `t-W < s <= t` (W keys, itself included).
+        layer_types (`list[str]`, *optional*):
+            Attention kind per layer, `"sliding_attention"` or `"full_attention"`; defaults to all sliding. Every layer
+            has the SSM branch whatever its attention kind.
+        ssm_state_size (`int`, *optional*, defaults to 16):
+            State size N per SSM channel.
+        ssm_conv_kernel_size (`int`, *optional*, defaults to 4):
+            Kernel size K of the causal depthwise conv1d (at least 2).
+        ssm_intermediate_size (`int`, *optional*):
+            Number of SSM channels E. `None` means `hidden_size`.
+        ssm_dt_rank (`int` or `"auto"`, *optional*, defaults to `"auto"`):
+            Rank R of the dt projection; `"auto"` means `ceil(hidden_size / 16)`.
+        ssm_dt_min (`float`, *optional*, defaults to 0.001):
+            Lower end of the log-uniform range `softplus(dt_proj.bias)` is initialised in.
+        ssm_dt_max (`float`, *optional*, defaults to 0.1):
+            Upper end of that range.
+        ssm_dt_init_floor (`float`, *optional*, defaults to 0.0001):
+            Smallest initial dt.
+        ssm_conv_bias (`bool`, *optional*, defaults to `True`):
+            Whether the conv1d has a bias.
+        use_ssm_branch (`bool`, *optional*, defaults to `True`):
+            Switches the SSM history branch off (it is then not built): the model is plain sliding-window
+            attention, the control the architecture is measured against.
+
+    ```python
+    >>> from configuration import HybridConfig
+    >>> from modeling import HybridForCausalLM
+    >>> config = HybridConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    ...                       intermediate_size=512, sliding_window=128)
+    >>> model = HybridForCausalLM(config)
+    ```"""
+
+    model_type = "hybrid"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    default_theta = 10000.0
+
+    vocab_size: int = 32000
+    hidden_size: int = 2048
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 16
+    num_key_value_heads: int | None = 4
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_parameters: RopeParameters | dict | None = None
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    sliding_window: int | None = 4096
+    layer_types: list[str] | None = None
+    ssm_state_size: int = 16
+    ssm_conv_kernel_size: int = 4
+    ssm_intermediate_size: int | None = None
+    ssm_dt_rank: int | str = "auto"
+    ssm_dt_min: float = 0.001
+    ssm_dt_max: float = 0.1
+    ssm_dt_init_floor: float = 1e-4
+    ssm_conv_bias: bool = True
+    use_ssm_branch: bool = True
+    pad_token_id: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 2
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and _is_positive_int(self.hidden_size) and _is_positive_int(self.num_attention_heads):
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.ssm_intermediate_size is None:
+            self.ssm_intermediate_size = self.hidden_size
+        if self.ssm_dt_rank == "auto" and _is_positive_int(self.hidden_size):
+            self.ssm_dt_rank = math.ceil(self.hidden_size / 16)
+        if self.layer_types is None and _is_positive_int(self.num_hidden_layers):
+            self.layer_types = ["sliding_attention"] * self.num_hidden_layers
+        self.validate_hybrid_fields()
+        super().__post_init__(**kwargs)
+
+    def validate_hybrid_fields(self):
+        """Raises a `ValueError` naming the first invalid field."""
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "ssm_state_size",
+            "ssm_intermediate_size",
+            "ssm_dt_rank",
+        ):
+            value = getattr(self, name)
+            if not _is_positive_int(value):
+                raise ValueError(f"HybridConfig.{name} must be a positive integer, got {value!r}")
+        for name in ("use_cache", "tie_word_embeddings", "attention_bias", "ssm_conv_bias", "use_ssm_branch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"HybridConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("rms_norm_eps", "ssm_dt_min", "ssm_dt_max", "ssm_dt_init_floor"):
+            value = getattr(self, name)
+            if not _is_real(value) or not value > 0:
+                raise ValueError(f"HybridConfig.{name} must be a positive number, got {value!r}")
+        if not _is_real(self.initializer_range) or self.initializer_range < 0:
+            raise ValueError(f"HybridConfig.initializer_range must be >= 0, got {self.initializer_range!r}")
+        if not _is_real(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
+            raise ValueError(f"HybridConfig.attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ValueError(f"HybridConfig.hidden_act must be one of Transformers' activations, got {self.hidden_act!r}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"HybridConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"HybridConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+        if not _is_int(self.ssm_conv_kernel_size) or self.ssm_conv_kernel_size < 2:
+            raise ValueError(f"HybridConfig.ssm_conv_kernel_size must be an integer >= 2, got {self.ssm_conv_kernel_size!r}")
+        if self.ssm_dt_min > self.ssm_dt_max:
+            raise ValueError(
+                f"HybridConfig.ssm_dt_min ({self.ssm_dt_min}) must not exceed ssm_dt_max ({self.ssm_dt_max})"
+            )
+        if not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"HybridConfig.layer_types must be a list of num_hidden_layers={self.num_hidden_layers} entries, "
+                f"got {self.layer_types!r}"
+            )
+        for i, layer_type in enumerate(self.layer_types):
+            if layer_type not in HYBRID_LAYER_TYPES:
+                raise ValueError(f"HybridConfig.layer_types[{i}] must be one of {HYBRID_LAYER_TYPES}, got {layer_type!r}")
+        if "sliding_attention" in self.layer_types and not _is_positive_int(self.sliding_window):
+            raise ValueError(
+                f"HybridConfig.sliding_window must be a positive integer when a layer is sliding, got {self.sliding_window!r}"
+            )
+        if self.sliding_window is not None and not _is_positive_int(self.sliding_window):
+            raise ValueError(f"HybridConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_positive_int(value) -> bool:
+    return _is_int(value) and value > 0
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+__all__ = ["HybridConfig"]

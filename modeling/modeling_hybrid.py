@@ -1,0 +1,457 @@
+"""PyTorch hybrid model: every decoder layer runs sliding-window (or full) attention in parallel with a Mamba-1
+selective-SSM "history branch" that carries what has left the window. DESIGN.md fixes the math and the names.
+
+Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, `PreTrainedModel`, model, LM head.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+)
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from configuration import HybridConfig
+
+from .ops import selective_scan_ref
+
+
+class HybridCache(DynamicCache):
+    """Per layer, Transformers' hybrid cache layer: the attention KV (only the last W-1 tokens for a sliding layer)
+    plus the SSM conv state `[B, E, K-1]` and ssm state `[B, E, N]` (fp32).
+
+    `DynamicCache(config=...)` would build plain attention layers from `layer_types`, which have no room for the SSM
+    states, so the model builds this one (`generate()` included).
+    """
+
+    def __init__(self, config: HybridConfig):
+        layers = [
+            LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=config.sliding_window)
+            if layer_type == "sliding_attention"
+            else LinearAttentionAndFullAttentionLayer()
+            for layer_type in config.layer_types
+        ]
+        Cache.__init__(self, layers=layers)
+
+
+class HybridRMSNorm(LlamaRMSNorm):
+    pass
+
+
+class HybridRotaryEmbedding(LlamaRotaryEmbedding):
+    pass
+
+
+class HybridMLP(nn.Module):
+    """SwiGLU: down(act(gate(h)) * up(h))."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HybridSSM(nn.Module):
+    """Mamba-1 selective-SSM history branch. Reads the layer's normalised input `h` and returns `[B, T, H*D]`, which
+    the attention adds to its own output before `o_proj`.
+
+    The state is carried in `HybridCache` across forward calls, so prefill, chunked prefill and decoding all run the
+    same code: the conv continues from the cached last K-1 inputs and the scan from the cached state.
+    """
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.intermediate_size = config.ssm_intermediate_size
+        self.state_size = config.ssm_state_size
+        self.conv_kernel_size = config.ssm_conv_kernel_size
+        self.dt_rank = config.ssm_dt_rank
+        self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
+
+        self.in_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.intermediate_size,
+            self.intermediate_size,
+            kernel_size=self.conv_kernel_size,
+            groups=self.intermediate_size,
+            bias=config.ssm_conv_bias,
+        )
+        self.x_proj = nn.Linear(self.intermediate_size, self.dt_rank + 2 * self.state_size, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, self.intermediate_size, bias=True)
+        self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.state_size))
+        self.D = nn.Parameter(torch.empty(self.intermediate_size))
+        self.out_proj = nn.Linear(
+            self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`)."""
+        batch_size = hidden_states.shape[0]
+        history_len = self.conv_kernel_size - 1
+        has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
+
+        # 1. Input projection: xs feeds the conv and the scan, z gates the output. Padding is zeroed so that the conv
+        #    of the first real token sees the same zero history as at the start of a sequence.
+        xs, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, T, E] each
+        if padding_mask is not None:
+            xs = xs * padding_mask[..., None].to(xs.dtype)
+        xs = xs.transpose(1, 2)  # [B, E, T]
+
+        # 2. Causal depthwise conv, continuing from the cached last K-1 inputs.
+        if has_history:
+            conv_history = past_key_values.layers[self.layer_idx].conv_states[0]
+        else:
+            conv_history = xs.new_zeros(batch_size, self.intermediate_size, history_len)
+        conv_input = torch.cat([conv_history.to(xs.dtype), xs], dim=-1)  # [B, E, K-1+T]
+        if past_key_values is not None:
+            # Updates the cached history in place: only after `conv_input` has read it.
+            past_key_values.update_conv_state(xs, self.layer_idx, conv_kernel_size=history_len)
+        u = F.silu(F.conv1d(conv_input, self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size))
+        u = u.transpose(1, 2)  # [B, T, E]
+
+        # 3. Input-dependent step size and state projections. dt_proj's bias is the dt bias: applied once, here.
+        dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
+        dt = F.softplus(self.dt_proj(dt_low).float())  # [B, T, E]
+        if padding_mask is not None:
+            # A zero step leaves the state exactly as it was: padding never enters the state.
+            dt = dt * padding_mask[..., None].to(dt.dtype)
+
+        # 4. Selective scan in fp32 from the cached state.
+        A = -torch.exp(self.A_log.float())  # [E, N]
+        initial_state = past_key_values.layers[self.layer_idx].recurrent_states[0] if has_history else None
+        y, final_state = selective_scan_ref(u, dt, A, B, C, self.D, z, initial_state)
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(final_state, self.layer_idx)
+
+        return self.out_proj(y)
+
+
+class HybridAttention(nn.Module):
+    """GQA attention with RoPE over a sliding window (or the full prefix), plus the SSM history branch that reads the
+    same input; `o_proj` projects their sum."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        self.sliding_window = (
+            config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
+        )
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.ssm = HybridSSM(config, layer_idx) if config.use_ssm_branch else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None,
+        past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+
+        # 1. Window attention.
+        query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, H, T, D]
+        key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)  # [B, KVH, T, D]
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+        if past_key_values is not None:
+            key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        attn_output, attn_weights = attention_interface(
+            self,
+            query_states,
+            key_states,
+            value_states,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1)  # [B, T, H*D]
+
+        # 2. History branch on the same input, summed before the output projection.
+        if self.ssm is not None:
+            attn_output = attn_output + self.ssm(hidden_states, past_key_values, padding_mask)
+        return self.o_proj(attn_output), attn_weights
+
+
+class HybridDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = HybridAttention(config, layer_idx)
+        self.mlp = HybridMLP(config)
+        self.input_layernorm = HybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = HybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.input_layernorm(hidden_states)
+        hidden_states, _ = self.self_attn(
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            padding_mask=padding_mask,
+            **kwargs,
+        )
+        hidden_states = residual + hidden_states
+
+        residual = hidden_states
+        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + hidden_states
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config: HybridConfig
+    config_class = HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    # The SSM state cannot be rolled back, and no static cache holds it.
+    _is_stateful = True
+    _can_compile_fullgraph = False
+    _can_record_outputs = {
+        "hidden_states": HybridDecoderLayer,
+        "attentions": HybridAttention,
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, HybridSSM):
+            # Mamba's S4D-real init: A = -(1..N) per channel; D = 1.
+            A = torch.arange(1, module.state_size + 1, dtype=torch.float32, device=module.A_log.device)
+            init.copy_(module.A_log, torch.log(A).expand(module.intermediate_size, -1))
+            init.ones_(module.D)
+            dt_init_std = module.dt_rank**-0.5
+            init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
+            # dt bias such that softplus(bias) is log-uniform in [dt_min, dt_max]; the inverse softplus gives it.
+            log_dt = torch.rand(module.intermediate_size, device=module.dt_proj.bias.device)
+            log_dt = log_dt * (torch.log(torch.tensor(module.dt_max)) - torch.log(torch.tensor(module.dt_min)))
+            dt = torch.exp(log_dt + torch.log(torch.tensor(module.dt_min))).clamp(min=module.dt_init_floor)
+            init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))
+            # A fresh model is the attention model plus a branch that learns to help.
+            init.zeros_(module.out_proj.weight)
+
+
+class HybridModel(HybridPreTrainedModel):
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [HybridDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
+        )
+        self.norm = HybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = HybridRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> BaseModelOutputWithPast:
+        r"""
+        attention_mask (`torch.Tensor` of shape `(batch_size, past_length + sequence_length)`, *optional*):
+            1 for tokens to attend to, 0 for padding. Padding also never enters the SSM state; with left padding, a row
+            gives exactly what the unpadded prompt alone gives.
+        past_key_values (`HybridCache`, *optional*):
+            Attention KV and SSM states of the tokens seen so far; created when `use_cache` and none is given.
+        """
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = HybridCache(self.config)
+        if past_key_values is not None and self.config.use_ssm_branch and not isinstance(past_key_values, HybridCache):
+            raise ValueError(
+                f"past_key_values must be a HybridCache (it holds the SSM states), got {type(past_key_values).__name__}"
+            )
+
+        seq_len = inputs_embeds.shape[1]
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+
+        # The SSM branch needs the padding of the current tokens only; a 4D mask carries no padding it can use.
+        padding_mask = None
+        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
+            padding_mask = attention_mask[:, -seq_len:]
+
+        if not isinstance(causal_mask_mapping := attention_mask, dict):
+            mask_kwargs = {
+                "config": self.config,
+                "inputs_embeds": inputs_embeds,
+                "attention_mask": attention_mask,
+                "past_key_values": past_key_values,
+                "position_ids": position_ids,
+            }
+            causal_mask_mapping = {}
+            if "full_attention" in self.config.layer_types:
+                causal_mask_mapping["full_attention"] = create_causal_mask(**mask_kwargs)
+            if "sliding_attention" in self.config.layer_types:
+                causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for decoder_layer, layer_type in zip(self.layers, self.config.layer_types):
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=causal_mask_mapping[layer_type],
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                padding_mask=padding_mask,
+                **kwargs,
+            )
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+        )
+
+
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.model = HybridModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        # generate() would build a DynamicCache from `layer_types`, with no room for the SSM states: give it ours.
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            if generation_config.cache_implementation not in (None, "dynamic"):
+                raise ValueError(
+                    f"HybridForCausalLM generates with its HybridCache only; cache_implementation="
+                    f"{generation_config.cache_implementation!r} is not supported"
+                )
+            model_kwargs["past_key_values"] = HybridCache(self.config)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    @can_return_tuple
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> CausalLMOutputWithPast:
+        r"""
+        labels (`torch.LongTensor` of shape `(batch_size, sequence_length)`, *optional*):
+            Next-token targets (shifted inside the loss); -100 is ignored.
+        logits_to_keep (`int` or `torch.Tensor`, *optional*, defaults to 0):
+            Compute logits for the last `logits_to_keep` positions only (0: all), or for the given indices.
+
+        ```python
+        >>> model = HybridForCausalLM(HybridConfig(...))
+        >>> out = model.generate(input_ids, max_new_tokens=16)
+        ```"""
+        outputs: BaseModelOutputWithPast = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden_states = outputs.last_hidden_state
+        slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+        return CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+
+__all__ = ["HybridCache", "HybridForCausalLM", "HybridModel", "HybridPreTrainedModel"]

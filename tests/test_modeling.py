@@ -1,0 +1,298 @@
+"""The Transformers model against independent references: naive loops, Mistral, itself without the cache."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+from conftest import tiny_config
+from modeling import HybridCache, HybridForCausalLM, HybridModel
+from modeling.ops import selective_scan_ref
+
+ATOL = 2e-5
+
+
+def naive_ssm_branch(ssm, h: torch.Tensor) -> torch.Tensor:
+    """DESIGN.md's SSM branch for one unpadded sequence h [T, hidden], one time step and one channel group at a time,
+    in float64."""
+    h = h.double()
+    E, N, K, R = ssm.intermediate_size, ssm.state_size, ssm.conv_kernel_size, ssm.dt_rank
+    W_in = ssm.in_proj.weight.double()
+    conv_w, conv_b = ssm.conv1d.weight.double()[:, 0, :], ssm.conv1d.bias.double()
+    W_x, W_dt, b_dt = ssm.x_proj.weight.double(), ssm.dt_proj.weight.double(), ssm.dt_proj.bias.double()
+    A = -torch.exp(ssm.A_log.double())
+    D, W_out = ssm.D.double(), ssm.out_proj.weight.double()
+    state = torch.zeros(E, N, dtype=torch.float64)
+    outputs = []
+    for t in range(h.shape[0]):
+        xz_hist = [W_in @ h[s] if s >= 0 else torch.zeros(2 * E, dtype=torch.float64) for s in range(t - K + 1, t + 1)]
+        z = xz_hist[-1][E:]
+        conv = conv_b.clone()
+        for k in range(K):
+            conv += conv_w[:, k] * xz_hist[k][:E]
+        u = F.silu(conv)
+        dtBC = W_x @ u
+        dt = F.softplus(W_dt @ dtBC[:R] + b_dt)
+        B, C = dtBC[R : R + N], dtBC[R + N :]
+        state = torch.exp(dt[:, None] * A) * state + (dt * u)[:, None] * B[None, :]
+        y = state @ C + D * u
+        outputs.append(W_out @ (y * F.silu(z)))
+    return torch.stack(outputs)
+
+
+def test_ssm_branch_matches_naive_loop(make_model):
+    model = make_model()
+    ssm = model.model.layers[1].self_attn.ssm
+    h = torch.randn(2, 23, model.config.hidden_size)
+    with torch.no_grad():
+        out = ssm(h)
+    for b in range(2):
+        torch.testing.assert_close(out[b].double(), naive_ssm_branch(ssm, h[b]), atol=ATOL, rtol=1e-4)
+
+
+def test_selective_scan_ref_continues_from_initial_state():
+    torch.manual_seed(0)
+    Bsz, T, E, N = 2, 13, 6, 5
+    u, z = torch.randn(Bsz, T, E), torch.randn(Bsz, T, E)
+    dt = F.softplus(torch.randn(Bsz, T, E))
+    A = -torch.rand(E, N) * 3
+    B, C, D = torch.randn(Bsz, T, N), torch.randn(Bsz, T, N), torch.randn(E)
+    y_full, state_full = selective_scan_ref(u, dt, A, B, C, D, z)
+    y1, s1 = selective_scan_ref(u[:, :5], dt[:, :5], A, B[:, :5], C[:, :5], D, z[:, :5])
+    y2, s2 = selective_scan_ref(u[:, 5:], dt[:, 5:], A, B[:, 5:], C[:, 5:], D, z[:, 5:], initial_state=s1)
+    torch.testing.assert_close(torch.cat([y1, y2], 1), y_full)
+    torch.testing.assert_close(s2, state_full)
+    assert state_full.dtype == torch.float32
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_full_forward_equals_token_by_token_decoding(make_model, attn_implementation):
+    model = make_model(attn_implementation=attn_implementation)
+    ids = torch.randint(3, 97, (2, 4 * model.config.sliding_window + 3))  # prompts several windows long
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = HybridCache(model.config)
+        steps = [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=1e-4)
+    # The sliding layers keep only W-1 keys; the full layer keeps everything.
+    assert cache.layers[0].keys.shape[-2] == model.config.sliding_window - 1
+    assert cache.layers[1].keys.shape[-2] == ids.shape[1]
+    assert cache.layers[0].recurrent_states[0].dtype == torch.float32
+
+
+@pytest.mark.parametrize("splits", [[1, 9, 18], [5, 6, 7], [13], [2, 3, 4, 20]], ids=lambda s: "-".join(map(str, s)))
+def test_chunked_prefill_equals_one_pass(make_model, splits):
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 27))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = HybridCache(model.config)
+        chunks, start = [], 0
+        for end in splits + [ids.shape[1]]:
+            chunks.append(model(ids[:, start:end], past_key_values=cache, use_cache=True).logits)
+            start = end
+    torch.testing.assert_close(torch.cat(chunks, 1), full, atol=ATOL, rtol=1e-4)
+
+
+def test_attention_path_matches_mistral_when_ssm_is_off(make_model):
+    model = make_model(use_ssm_branch=False, layer_types=["sliding_attention"] * 3)
+    config = model.config
+    mistral_config = MistralConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        sliding_window=config.sliding_window,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        max_position_embeddings=config.max_position_embeddings,
+    )
+    mistral = MistralForCausalLM(mistral_config).eval()
+    missing, unexpected = mistral.load_state_dict(model.state_dict(), strict=True)
+    assert not missing and not unexpected
+    ids = torch.randint(3, 97, (2, 31))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding in one row
+    for implementation in ["eager", "sdpa"]:
+        model.set_attn_implementation(implementation)
+        mistral.set_attn_implementation(implementation)
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask).logits, mistral(ids, attention_mask=mask).logits)
+    with torch.no_grad():
+        ours = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
+        theirs = mistral.generate(ids[:1], max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, length - len(prompt) :] = prompt
+        mask[row, length - len(prompt) :] = 1
+    return ids, mask
+
+
+def test_left_padded_batch_equals_each_prompt_alone(make_model):
+    model = make_model()
+    prompts = [torch.randint(3, 97, (n,)) for n in (25, 9, 17, 2)]
+    ids, mask = left_pad(prompts, model.config.pad_token_id)
+    with torch.no_grad():
+        batched_logits = model(ids, attention_mask=mask).logits
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+        for row, prompt in enumerate(prompts):
+            alone_logits = model(prompt[None]).logits[0]
+            torch.testing.assert_close(batched_logits[row, -len(prompt) :], alone_logits, atol=ATOL, rtol=1e-4)
+            alone = model.generate(prompt[None], max_new_tokens=10, do_sample=False)
+            assert torch.equal(batched[row, -10:], alone[0, -10:])
+
+
+def test_padding_never_enters_the_ssm_state(make_model):
+    """Whatever the padded positions hold, the states after the prompt are the same."""
+    model = make_model()
+    prompt = torch.randint(3, 97, (11,))
+    caches = []
+    for pad_tokens in (torch.randint(3, 97, (7,)), torch.randint(3, 97, (7,))):
+        ids = torch.cat([pad_tokens, prompt])[None]
+        mask = torch.cat([torch.zeros(7, dtype=torch.long), torch.ones(11, dtype=torch.long)])[None]
+        cache = HybridCache(model.config)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        caches.append(cache)
+    alone = HybridCache(model.config)
+    with torch.no_grad():
+        model(prompt[None], past_key_values=alone, use_cache=True)
+    for layer_idx in range(model.config.num_hidden_layers):
+        for cache in caches:
+            torch.testing.assert_close(
+                cache.layers[layer_idx].recurrent_states[0], alone.layers[layer_idx].recurrent_states[0], atol=ATOL, rtol=1e-4
+            )
+            torch.testing.assert_close(cache.layers[layer_idx].conv_states[0], alone.layers[layer_idx].conv_states[0])
+
+
+@pytest.mark.parametrize(
+    "generate_kwargs",
+    [
+        dict(do_sample=False),
+        dict(num_beams=3, do_sample=False),
+        dict(num_beams=2, num_return_sequences=2, do_sample=False),
+    ],
+    ids=["greedy", "beam3", "beam2x2"],
+)
+def test_generate_with_cache_equals_recomputing_everything(make_model, generate_kwargs):
+    model = make_model()
+    prompts = [torch.randint(3, 97, (n,)) for n in (19, 12)]
+    ids, mask = left_pad(prompts, model.config.pad_token_id)
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, pad_token_id=0, **generate_kwargs)
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **kwargs)
+        recomputed = model.generate(ids, use_cache=False, **kwargs)
+    assert cached.shape[1] == ids.shape[1] + 9
+    assert torch.equal(cached, recomputed)
+
+
+def test_sampling_is_reproducible_and_uses_the_distribution(make_model):
+    model = make_model()
+    ids = torch.randint(3, 97, (3, 14))
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        outs.append(model.generate(ids, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=8))
+    assert torch.equal(outs[0], outs[1])
+    torch.manual_seed(7)
+    other = model.generate(ids, do_sample=True, top_k=20, temperature=0.9, max_new_tokens=8)
+    assert not torch.equal(other, outs[0])
+
+
+def test_forward_options(make_model):
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 10))
+    labels = torch.randint(3, 97, (2, 10))
+    with torch.no_grad():
+        out = model(ids, labels=labels, output_hidden_states=True)
+        expected_loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, 97), labels[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss, expected_loss)
+        assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+        last = model(ids, logits_to_keep=1).logits
+        torch.testing.assert_close(last, out.logits[:, -1:])
+        as_tuple = model(ids, return_dict=False)
+        assert isinstance(as_tuple, tuple)
+        torch.testing.assert_close(as_tuple[0], out.logits)
+        # Explicit positions that equal the default ones change nothing.
+        positions = torch.arange(10)[None].expand(2, -1)
+        torch.testing.assert_close(model(ids, position_ids=positions).logits, out.logits)
+
+
+def test_save_load_and_auto_round_trip(make_model, tmp_path):
+    model = make_model()
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    assert AutoConfig.from_pretrained(tmp_path).model_type == "hybrid"
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert isinstance(loaded, HybridForCausalLM)
+    base = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(base, HybridModel)
+    ids = torch.randint(3, 97, (2, 15))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    for name, param in model.state_dict().items():
+        assert torch.equal(param, loaded.state_dict()[name]), name
+
+
+def test_parameter_names_and_shapes_follow_the_design():
+    config = tiny_config()
+    model = HybridForCausalLM(config)
+    E, N, K, R = config.ssm_intermediate_size, config.ssm_state_size, config.ssm_conv_kernel_size, config.ssm_dt_rank
+    HD = config.num_attention_heads * config.head_dim
+    prefix = "model.layers.0.self_attn.ssm."
+    expected = {
+        "in_proj.weight": (2 * E, config.hidden_size),
+        "conv1d.weight": (E, 1, K),
+        "conv1d.bias": (E,),
+        "x_proj.weight": (R + 2 * N, E),
+        "dt_proj.weight": (E, R),
+        "dt_proj.bias": (E,),
+        "A_log": (E, N),
+        "D": (E,),
+        "out_proj.weight": (HD, E),
+    }
+    params = dict(model.named_parameters())
+    for name, shape in expected.items():
+        assert tuple(params[prefix + name].shape) == shape, name
+    assert tuple(params["model.layers.0.self_attn.o_proj.weight"].shape) == (config.hidden_size, HD)
+
+
+def test_initialisation_follows_mamba():
+    config = tiny_config(ssm_dt_min=0.002, ssm_dt_max=0.05)
+    ssm = HybridForCausalLM(config).model.layers[0].self_attn.ssm
+    torch.testing.assert_close(ssm.A_log, torch.log(torch.arange(1, 9.0)).expand(40, -1))
+    torch.testing.assert_close(ssm.D, torch.ones(40))
+    dt = F.softplus(ssm.dt_proj.bias)
+    assert dt.min() >= 0.002 * 0.999 and dt.max() <= 0.05 * 1.001
+    assert torch.count_nonzero(ssm.out_proj.weight) == 0
+    # Log-uniform: the median sits near the geometric mean of the range.
+    assert abs(math.log(dt.median().item()) - math.log(math.sqrt(0.002 * 0.05))) < 0.8
+
+
+def test_fresh_model_equals_its_attention_only_control():
+    """With out_proj at zero, the SSM branch adds nothing: upcycling an attention checkpoint is safe."""
+    torch.manual_seed(0)
+    hybrid = HybridForCausalLM(tiny_config()).eval()
+    control = HybridForCausalLM(tiny_config(use_ssm_branch=False)).eval()
+    missing, unexpected = control.load_state_dict(hybrid.state_dict(), strict=False)
+    assert not missing and all(".ssm." in name for name in unexpected)
+    ids = torch.randint(3, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(hybrid(ids).logits, control(ids).logits)
+
+
+def test_static_cache_is_refused_clearly(make_model):
+    model = make_model()
+    with pytest.raises(ValueError, match="cache_implementation"):
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
