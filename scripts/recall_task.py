@@ -24,7 +24,7 @@ class RecallTask:
     num_keys: int = 8
     num_values: int = 8
     num_fillers: int = 16
-    num_pairs: int = 2
+    num_pairs: int = 1
     min_filler: int = 24
     max_filler: int = 40
 

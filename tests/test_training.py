@@ -1,0 +1,138 @@
+"""Training: gradients, checkpointing, autocast, Trainer and PEFT LoRA."""
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+from recall_task import RecallTask, collate_left_padded
+
+
+def batch_of_random_tokens(seed: int = 0, batch_size: int = 4, length: int = 21):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (batch_size, length), generator=generator)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def test_gradients_reach_every_parameter(make_model):
+    model = make_model().train()
+    model(**batch_of_random_tokens()).loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+def test_a_few_steps_lower_the_loss(make_model):
+    model = make_model().train()
+    batch = batch_of_random_tokens()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(make_model):
+    batch = batch_of_random_tokens()
+    grads = []
+    for checkpointing in (False, True):
+        model = make_model().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            assert model.is_gradient_checkpointing
+        model(**batch).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_trains_close_to_fp32(make_model, dtype):
+    model = make_model().train()
+    batch = batch_of_random_tokens()
+    reference = model(**batch).loss
+    with torch.autocast("cpu", dtype=dtype):
+        out = model(**batch)
+    assert out.logits.dtype in (dtype, torch.float32)
+    torch.testing.assert_close(out.loss.float(), reference, atol=0.05, rtol=0.02)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_bf16_weights_keep_an_fp32_state(make_model):
+    model = make_model().to(torch.bfloat16)
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        logits = model(ids).logits
+        reference = make_model()(ids).logits
+    assert logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.float(), reference, atol=0.15, rtol=0.05)
+    cache = model(ids, use_cache=True).past_key_values
+    assert cache.layers[0].recurrent_states[0].dtype == torch.float32
+
+
+class ListDataset(Dataset):
+    def __init__(self, examples):
+        self.examples = examples
+
+    def __len__(self):
+        return len(self.examples)
+
+    def __getitem__(self, i):
+        return self.examples[i]
+
+
+def test_trainer_out_of_the_box(make_model, tmp_path):
+    task = RecallTask(num_pairs=1, min_filler=4, max_filler=8)
+    tokenizer = task.build_tokenizer()
+    model = make_model(vocab_size=len(tokenizer)).train()
+    examples = task.sample_examples(tokenizer, 64, seed=0)
+    collate = lambda batch: collate_left_padded(batch, tokenizer.pad_token_id)  # noqa: E731
+    before = sum(model(**collate(examples[i : i + 16])).loss.item() for i in range(0, 64, 16))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=16,
+        num_train_epochs=6,
+        learning_rate=1e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=ListDataset(examples), data_collator=collate)
+    trainer.train()
+    model.eval()
+    with torch.no_grad():
+        after = sum(model(**collate(examples[i : i + 16])).loss.item() for i in range(0, 64, 16))
+    assert after < 0.7 * before
+
+
+def test_peft_lora_on_the_projection_names(make_model):
+    peft = pytest.importorskip("peft")
+    model = make_model()
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "x_proj", "out_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+    wrapped = {name.split(".")[-1] for name, module in lora.named_modules() if isinstance(module, peft.tuners.lora.Linear)}
+    assert wrapped == set(targets)
+    trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen_before = {n: p.clone() for n, p in lora.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=3e-3)
+    batch = batch_of_random_tokens()
+    lora.train()
+    losses = []
+    for _ in range(6):
+        loss = lora(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.98 * losses[0]
+    for name, param in lora.named_parameters():
+        if name in frozen_before:
+            assert torch.equal(param, frozen_before[name]), name
