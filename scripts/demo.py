@@ -45,7 +45,8 @@ def main():
         start = time.perf_counter()
         train(
             model, tokenizer, train_examples, f"{args.output_dir}/trainer", args.steps,
-            lr_scheduler_type="constant_with_warmup", description=name,
+            # Clipping slows the SSM's selectivity from emerging on this task (1.0 vs 0.5 accuracy at 1000 steps).
+            lr_scheduler_type="constant_with_warmup", max_grad_norm=0.0, description=name,
         )
         results[name] = (recall_accuracy(model, held_out, tokenizer.pad_token_id), time.perf_counter() - start)
         if use_ssm:

@@ -75,6 +75,7 @@ def train(
     batch_size: int = 32,
     learning_rate: float = 1e-2,
     lr_scheduler_type: str = "cosine",
+    max_grad_norm: float = 1.0,
     bf16: bool = False,
     gradient_checkpointing: bool = False,
     description: str = "",
@@ -88,7 +89,7 @@ def train(
         weight_decay=0.0,
         lr_scheduler_type=lr_scheduler_type,
         warmup_steps=max(1, steps // 50),
-        max_grad_norm=1.0,
+        max_grad_norm=max_grad_norm,
         logging_steps=max(1, steps // 10),
         save_strategy="no",
         report_to=[],
@@ -121,6 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--lr-scheduler", default="constant_with_warmup", help="any Trainer lr_scheduler_type")
+    parser.add_argument("--max-grad-norm", type=float, default=0.0, help="gradient clipping (0: none)")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-ssm", action="store_true", help="switch the SSM branch off (attention-only control)")
@@ -155,7 +157,7 @@ def main(argv=None):
         tokenizer.pad_token = tokenizer.eos_token
 
     train(model, tokenizer, examples, args.output_dir, args.steps, args.batch_size, args.lr, args.lr_scheduler,
-          args.bf16, args.gradient_checkpointing)
+          args.max_grad_norm, args.bf16, args.gradient_checkpointing)
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     if task is not None:

@@ -1,0 +1,41 @@
+"""Runs vLLM on a spec and prints the results as JSON: a separate process, as vLLM wants its own `__main__`.
+
+    python tests/vllm_generate.py SPEC.json   (prints {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]})
+
+SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...], "max_tokens": n,
+       "alone": bool (also generate each request in its own call; returned as "alone_outputs")}
+"""
+
+import json
+import sys
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=spec["model"], disable_log_stats=False, **spec["llm"])
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True)
+
+    def generate(requests):
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False)
+        return [
+            {
+                "token_ids": list(o.outputs[0].token_ids),
+                "logprobs": [next(iter(step.values())).logprob for step in o.outputs[0].logprobs],
+            }
+            for o in outputs
+        ]
+
+    result = {"outputs": generate(spec["requests"])}
+    if spec.get("alone"):
+        result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
+    result["preemptions"] = sum(
+        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    print("RESULT_JSON " + json.dumps(run(spec)))

@@ -1,0 +1,13 @@
+"""vLLM plugin for the hybrid model (entry point `vllm.general_plugins`: `vllm_integration:register`).
+
+Plugins load in every vLLM process, so `register` is idempotent and imports nothing heavy: the model class is
+registered lazily by name.
+"""
+
+
+def register() -> None:
+    import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
+    from vllm import ModelRegistry
+
+    if "HybridForCausalLM" not in ModelRegistry.get_supported_archs():
+        ModelRegistry.register_model("HybridForCausalLM", "vllm_integration.model:HybridForCausalLM")
