@@ -296,3 +296,15 @@ def test_static_cache_is_refused_clearly(make_model):
     model = make_model()
     with pytest.raises(ValueError, match="cache_implementation"):
         model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "flex_attention"])
+def test_attention_implementations_agree_with_eager(make_model, attn_implementation):
+    model = make_model()
+    ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (29, 13)], model.config.pad_token_id)
+    with torch.no_grad():
+        reference = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(attn_implementation)
+        logits = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], reference[real], atol=ATOL, rtol=1e-4)

@@ -98,9 +98,11 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
 
 
 def test_vllm_serve_openai_completions(checkpoints, tmp_path):
-    """A real `vllm serve` subprocess: the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a
-    bad request with 400 and keeps serving."""
-    model, vllm_dir = checkpoints
+    """A real `vllm serve` subprocess, on the unconverted Transformers checkpoint (the other tests serve the converted
+    one): the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a bad request with 400 and
+    keeps serving."""
+    model, converted_dir = checkpoints
+    vllm_dir = converted_dir.parent / "hf"
     server_args = ["--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
                    "--block-size", "16"]
     with running_server(vllm_dir, tmp_path / "serve.log", *server_args) as base:

@@ -1,6 +1,7 @@
 """The hybrid model for vLLM: Llama skeleton, with every attention a `HybridAttentionLayer` (window attention plus
 the SSM history branch, sharing one input and one `o_proj`). Loads the checkpoint `scripts/convert_to_vllm.py`
-writes (fused qkv and gate_up, `A = -exp(A_log)` precomputed, the conv weight as `[E, K]`)."""
+writes (fused qkv and gate_up, `A = -exp(A_log)` precomputed, the conv weight as `[E, K]`), or a Transformers
+checkpoint directly."""
 
 from collections.abc import Iterable
 
@@ -189,19 +190,56 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads the converted checkpoint (names as they are here) or a Transformers one, whose q/k/v and gate/up
+        are stacked into the fused projections and whose SSM tensors are renamed and transformed on the way."""
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
-            if name not in params:
-                if name.endswith(("q_proj.weight", "A_log", "ssm.in_proj.weight")):
-                    raise ValueError(
-                        f"{name!r} is a Transformers checkpoint name: convert the checkpoint for vLLM first with "
-                        "scripts/convert_to_vllm.py"
-                    )
-                if self.config.tie_word_embeddings and name == "lm_head.weight":
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            name, tensor = _from_transformers_layout(name, tensor)
+            for param_suffix, weight_suffix, shard_id in _STACKED_PARAMS:
+                if weight_suffix not in name:
                     continue
-                raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
-            param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                name = name.replace(weight_suffix, param_suffix)
+                param = _checkpoint_param(params, name)
+                param.weight_loader(param, tensor, shard_id)
+                break
+            else:
+                param = _checkpoint_param(params, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
+
+
+# (fused parameter, Transformers projection, shard) for checkpoints with separate projections.
+_STACKED_PARAMS = [
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+]
+
+
+def _from_transformers_layout(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """Maps a Transformers SSM tensor to its place here (converted names pass through unchanged)."""
+    if ".self_attn.ssm." not in name:
+        return name, tensor
+    prefix, leaf = name.split(".self_attn.ssm.")
+    if leaf in ("in_proj.weight", "out_proj.weight"):
+        return f"{prefix}.self_attn.{leaf}", tensor
+    state = f"{prefix}.self_attn.attn.ssm."
+    if leaf == "conv1d.weight":
+        return state + "conv1d_weight", tensor[:, 0, :]
+    if leaf == "conv1d.bias":
+        return state + "conv1d_bias", tensor
+    if leaf == "A_log":
+        return state + "A", -torch.exp(tensor.float())  # the one place A = -exp(A_log) is applied on this path
+    return state + leaf, tensor
+
+
+def _checkpoint_param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+    if name not in params:
+        raise ValueError(f"unexpected tensor {name!r} in the checkpoint: not a hybrid model of this config")
+    return params[name]
