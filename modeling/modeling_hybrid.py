@@ -4,6 +4,7 @@ selective-SSM "history branch" that carries what has left the window. DESIGN.md 
 Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, `PreTrainedModel`, model, LM head.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -285,6 +286,11 @@ class HybridPreTrainedModel(PreTrainedModel):
             A = torch.arange(1, module.state_size + 1, dtype=torch.float32, device=module.A_log.device)
             init.copy_(module.A_log, torch.log(A).expand(module.intermediate_size, -1))
             init.ones_(module.D)
+            # Mamba's conv init (PyTorch's default, as mamba_ssm and Transformers' Mamba): the std-0.02 normal of the
+            # other layers would leave u = silu(conv(xs)) ~ 1e-3 and the branch without a gradient to learn from.
+            init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
+            if module.conv1d.bias is not None:
+                init.zeros_(module.conv1d.bias)
             dt_init_std = module.dt_rank**-0.5
             init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
             # dt bias such that softplus(bias) is log-uniform in [dt_min, dt_max]; the inverse softplus gives it.

@@ -34,8 +34,8 @@ def train_both(task, tokenizer, steps: int, seed: int, output_dir: Path):
         start = time.perf_counter()
         train(
             model, tokenizer, train_examples, str(output_dir / "trainer"), steps,
-            # Clipping slows the SSM's selectivity from emerging on this task.
-            lr_scheduler_type="constant_with_warmup", max_grad_norm=0.0, description=name,
+            # Measured on this task: clipping at 1.0 kept the SSM branch from ever learning the recall.
+            lr_scheduler_type="cosine", max_grad_norm=0.0, description=name,
         )
         results[name] = (recall_accuracy(model, held_out, tokenizer.pad_token_id), time.perf_counter() - start)
         hybrid = model if use_ssm else hybrid
@@ -77,6 +77,9 @@ def main():
     parser.add_argument("--skip-serving", action="store_true", help="stop after training")
     args = parser.parse_args()
 
+    # One thread: the same floating-point sums, hence the same training run, whatever the number of cores. Whether
+    # the SSM picks the recall up within the budget depends on the run (the seed): see the README.
+    torch.set_num_threads(1)
     task = RecallTask()
     tokenizer = task.build_tokenizer()
     config = small_recall_config(tokenizer)

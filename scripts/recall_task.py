@@ -23,7 +23,7 @@ QUERY = "?"
 class RecallTask:
     num_keys: int = 8
     num_values: int = 8
-    num_fillers: int = 16
+    num_fillers: int = 4
     num_pairs: int = 1
     min_filler: int = 24
     max_filler: int = 40

@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--lr-scheduler", default="constant_with_warmup", help="any Trainer lr_scheduler_type")
+    parser.add_argument("--lr-scheduler", default="cosine", help="any Trainer lr_scheduler_type")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="gradient clipping (0: none)")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--gradient-checkpointing", action="store_true")
