@@ -23,6 +23,11 @@ def serve_command(model_dir: str) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
 
 
+def engine_environment() -> dict[str, str]:
+    """This environment without TRITON_INTERPRET (the tests' CPU setting): an engine runs real kernels or none."""
+    return {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +50,7 @@ def running_server(model_dir, log_path, *server_args: str, startup_timeout: floa
     port = free_port()
     command = [*serve_command(str(model_dir)), "--host", "127.0.0.1", "--port", str(port), *server_args]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=engine_environment())
         base_url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + startup_timeout

@@ -1,8 +1,15 @@
+import os
+import shutil
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Triton kernels run in Triton's interpreter on machines without a GPU. Set before anything imports triton: its
+# standard library is jit-compiled at import time. Engines and servers started by tests drop it again.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))

@@ -18,7 +18,7 @@ import convert_to_vllm  # noqa: E402
 from conftest import REPO_ROOT, randomize_, tiny_config  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from recall_task import RecallTask  # noqa: E402
-from vllm_server import post_json, running_server  # noqa: E402
+from vllm_server import engine_environment, post_json, running_server  # noqa: E402
 
 WINDOW = 16
 MAX_TOKENS = 12
@@ -64,7 +64,7 @@ def run_vllm(model_dir, requests, alone=False, **engine):
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "vllm_generate.py"), str(spec_path)],
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=900, env=engine_environment())
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert lines, f"vLLM failed:\n{result.stderr[-5000:]}"
     return json.loads(lines[0].removeprefix("RESULT_JSON "))
