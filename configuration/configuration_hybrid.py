@@ -52,7 +52,8 @@ class HybridConfig(PreTrainedConfig):
         attention_dropout (`float`, *optional*, defaults to 0.0):
             Dropout on the attention probabilities during training.
         sliding_window (`int`, *optional*, defaults to 4096):
-            Window W of `"sliding_attention"` layers: query `t` sees keys `t-W < s <= t` (W keys, itself included).
+            Window W (at least 2) of `"sliding_attention"` layers: query `t` sees keys `t-W < s <= t` (W keys, itself
+            included).
         layer_types (`list[str]`, *optional*):
             Attention kind per layer, `"sliding_attention"` or `"full_attention"`; defaults to all sliding. Every layer
             has the SSM branch whatever its attention kind.
@@ -163,7 +164,9 @@ class HybridConfig(PreTrainedConfig):
         if not _is_real(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
             raise ValueError(f"HybridConfig.attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
         if self.hidden_act not in ACT2FN:
-            raise ValueError(f"HybridConfig.hidden_act must be one of Transformers' activations, got {self.hidden_act!r}")
+            raise ValueError(
+                f"HybridConfig.hidden_act must be one of Transformers' activations, got {self.hidden_act!r}"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"HybridConfig.num_key_value_heads ({self.num_key_value_heads}) must divide "
@@ -172,7 +175,9 @@ class HybridConfig(PreTrainedConfig):
         if self.head_dim % 2 != 0:
             raise ValueError(f"HybridConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
         if not _is_int(self.ssm_conv_kernel_size) or self.ssm_conv_kernel_size < 2:
-            raise ValueError(f"HybridConfig.ssm_conv_kernel_size must be an integer >= 2, got {self.ssm_conv_kernel_size!r}")
+            raise ValueError(
+                f"HybridConfig.ssm_conv_kernel_size must be an integer >= 2, got {self.ssm_conv_kernel_size!r}"
+            )
         if self.ssm_dt_min > self.ssm_dt_max:
             raise ValueError(
                 f"HybridConfig.ssm_dt_min ({self.ssm_dt_min}) must not exceed ssm_dt_max ({self.ssm_dt_max})"
@@ -184,13 +189,20 @@ class HybridConfig(PreTrainedConfig):
             )
         for i, layer_type in enumerate(self.layer_types):
             if layer_type not in HYBRID_LAYER_TYPES:
-                raise ValueError(f"HybridConfig.layer_types[{i}] must be one of {HYBRID_LAYER_TYPES}, got {layer_type!r}")
-        if "sliding_attention" in self.layer_types and not _is_positive_int(self.sliding_window):
+                raise ValueError(
+                    f"HybridConfig.layer_types[{i}] must be one of {HYBRID_LAYER_TYPES}, got {layer_type!r}"
+                )
+        # W = 1 (a token attends to itself only) is refused: Transformers' sliding-window cache keeps the last W-1
+        # keys through a `-W+1:` slice, which for W = 1 keeps them all.
+        if "sliding_attention" in self.layer_types and not (_is_int(self.sliding_window) and self.sliding_window >= 2):
             raise ValueError(
-                f"HybridConfig.sliding_window must be a positive integer when a layer is sliding, got {self.sliding_window!r}"
+                "HybridConfig.sliding_window must be an integer >= 2 when a layer is sliding, "
+                f"got {self.sliding_window!r}"
             )
         if self.sliding_window is not None and not _is_positive_int(self.sliding_window):
-            raise ValueError(f"HybridConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+            raise ValueError(
+                f"HybridConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}"
+            )
 
 
 def _is_int(value) -> bool:

@@ -108,9 +108,7 @@ class HybridSSM(nn.Module):
         self.dt_proj = nn.Linear(self.dt_rank, self.intermediate_size, bias=True)
         self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.state_size))
         self.D = nn.Parameter(torch.empty(self.intermediate_size))
-        self.out_proj = nn.Linear(
-            self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False
-        )
+        self.out_proj = nn.Linear(self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False)
 
     def forward(
         self,
@@ -172,9 +170,7 @@ class HybridAttention(nn.Module):
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
-        self.sliding_window = (
-            config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
-        )
+        self.sliding_window = config.sliding_window if config.layer_types[layer_idx] == "sliding_attention" else None
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -343,7 +339,8 @@ class HybridModel(HybridPreTrainedModel):
             past_key_values = HybridCache(self.config)
         if past_key_values is not None and self.config.use_ssm_branch and not isinstance(past_key_values, HybridCache):
             raise ValueError(
-                f"past_key_values must be a HybridCache (it holds the SSM states), got {type(past_key_values).__name__}"
+                "past_key_values must be a HybridCache (it holds the SSM states), "
+                f"got {type(past_key_values).__name__}"
             )
 
         seq_len = inputs_embeds.shape[1]

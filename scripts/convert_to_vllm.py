@@ -31,9 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
+from vllm_integration.layout import vllm_tensor  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP32_TENSORS = (".A", ".D")
+# fused vLLM projection -> the Transformers projections it concatenates, in order
+FUSED_PROJECTIONS = {
+    ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+    ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
+}
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -104,10 +110,14 @@ def validate(tensors: dict[str, torch.Tensor], config: HybridConfig) -> None:
     expected = expected_shapes(config)
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        raise ConversionError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        raise ConversionError(
+            f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        )
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
-        raise ConversionError(f"unknown tensor {unknown[0]}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
+        raise ConversionError(
+            f"unknown tensor {unknown[0]}" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else "")
+        )
     for name, tensor in tqdm(tensors.items(), desc="checking", unit="tensor"):
         if tuple(tensor.shape) != expected[name]:
             raise ConversionError(f"{name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
@@ -117,39 +127,23 @@ def validate(tensors: dict[str, torch.Tensor], config: HybridConfig) -> None:
             raise ConversionError(f"{name} holds NaN or infinite values")
 
 
-def to_vllm(tensors: dict[str, torch.Tensor], config: HybridConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Renames, fuses and transforms the Transformers tensors into vLLM's (see the module docstring)."""
+def to_vllm(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fuses q/k/v and gate/up, maps every other tensor with the loader's own rules (`vllm_tensor`), casts."""
     out = {}
-    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
-        if name in tensors:
-            out[name] = tensors[name]
-    for i in tqdm(range(config.num_hidden_layers), desc="converting", unit="layer"):
-        src, dst = f"model.layers.{i}.", f"model.layers.{i}."
-        attn, ssm = src + "self_attn.", src + "self_attn.ssm."
-        for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-            out[dst + norm] = tensors[src + norm]
-        for suffix in ("weight", "bias") if config.attention_bias else ("weight",):
-            out[f"{dst}self_attn.qkv_proj.{suffix}"] = torch.cat(
-                [tensors[f"{attn}{p}_proj.{suffix}"] for p in "qkv"]
-            )
-            out[f"{dst}self_attn.o_proj.{suffix}"] = tensors[f"{attn}o_proj.{suffix}"]
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [tensors[src + "mlp.gate_proj.weight"], tensors[src + "mlp.up_proj.weight"]]
+    for name, tensor in tqdm(tensors.items(), desc="converting", unit="tensor"):
+        fused = next(
+            ((into, parts) for into, parts in FUSED_PROJECTIONS.items() if any(p in name for p in parts)), None
         )
-        out[dst + "mlp.down_proj.weight"] = tensors[src + "mlp.down_proj.weight"]
-        out[dst + "self_attn.in_proj.weight"] = tensors[ssm + "in_proj.weight"]
-        out[dst + "self_attn.out_proj.weight"] = tensors[ssm + "out_proj.weight"]
-        state = dst + "self_attn.attn.ssm."
-        out[state + "conv1d_weight"] = tensors[ssm + "conv1d.weight"][:, 0, :]
-        if config.ssm_conv_bias:
-            out[state + "conv1d_bias"] = tensors[ssm + "conv1d.bias"]
-        for name in ("x_proj.weight", "dt_proj.weight", "dt_proj.bias"):
-            out[state + name] = tensors[ssm + name]
-        out[state + "A"] = -torch.exp(tensors[ssm + "A_log"].float())
-        out[state + "D"] = tensors[ssm + "D"].float()
-    return {
-        name: (t.float() if name.endswith(FP32_TENSORS) else t.to(dtype)).contiguous() for name, t in out.items()
-    }
+        if fused is None:
+            name, tensor = vllm_tensor(name, tensor)
+        elif fused[1][0] in name:  # the first part stands for the fused projection; the others join it here
+            into, parts = fused
+            tensor = torch.cat([tensors[name.replace(parts[0], part)] for part in parts])
+            name = name.replace(parts[0], into)
+        else:
+            continue
+        out[name] = (tensor.float() if name.endswith(FP32_TENSORS) else tensor.to(dtype)).contiguous()
+    return out
 
 
 def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) -> None:
@@ -161,10 +155,13 @@ def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) ->
     tensors = load_tensors(hf_dir)
     validate(tensors, config)
     dtype = DTYPES[dtype_name] if dtype_name else tensors["model.embed_tokens.weight"].dtype
-    converted = to_vllm(tensors, config, dtype)
+    converted = to_vllm(tensors, dtype)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as error:
+        raise ConversionError(f"cannot write next to {out_dir}: {error}") from None
     try:
         save_file(converted, staging / "model.safetensors", metadata={"format": "pt"})
         config.dtype = dtype
@@ -173,16 +170,22 @@ def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) ->
         for name in COPIED_FILES:
             if (hf_dir / name).exists():
                 shutil.copy2(hf_dir / name, staging / name)
-        if out_dir.exists():  # --force: swap in the new directory, then drop the old one
+        if out_dir.exists():  # --force: swap the new directory in, putting the old one back if that fails
             previous = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
             os.replace(out_dir, previous / out_dir.name)
-            os.replace(staging, out_dir)
-            shutil.rmtree(previous)
+            try:
+                os.replace(staging, out_dir)
+            except OSError:
+                os.replace(previous / out_dir.name, out_dir)
+                raise
+            finally:
+                shutil.rmtree(previous, ignore_errors=True)
         else:
             os.replace(staging, out_dir)
+    except OSError as error:
+        raise ConversionError(f"cannot write {out_dir}: {error}") from None
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def main(argv=None) -> int:

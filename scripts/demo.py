@@ -33,9 +33,15 @@ def train_both(task, tokenizer, steps: int, seed: int, output_dir: Path):
         print(f"\nTraining {name}: {model.num_parameters():,} parameters, {steps} steps")
         start = time.perf_counter()
         train(
-            model, tokenizer, train_examples, str(output_dir / "trainer"), steps,
+            model,
+            tokenizer,
+            train_examples,
+            str(output_dir / "trainer"),
+            steps,
             # Measured on this task: clipping at 1.0 kept the SSM branch from ever learning the recall.
-            lr_scheduler_type="cosine", max_grad_norm=0.0, description=name,
+            lr_scheduler_type="cosine",
+            max_grad_norm=0.0,
+            description=name,
         )
         results[name] = (recall_accuracy(model, held_out, tokenizer.pad_token_id), time.perf_counter() - start)
         hybrid = model if use_ssm else hybrid

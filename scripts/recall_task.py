@@ -72,9 +72,7 @@ class RecallTask:
             prompt, answer = self.sample_text(generator)
             prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(prompt, add_special_tokens=False)
             answer_id = tokenizer.convert_tokens_to_ids(answer)
-            examples.append(
-                {"input_ids": prompt_ids + [answer_id], "labels": [-100] * len(prompt_ids) + [answer_id]}
-            )
+            examples.append({"input_ids": prompt_ids + [answer_id], "labels": [-100] * len(prompt_ids) + [answer_id]})
         return examples
 
 

@@ -158,13 +158,26 @@ def main(argv=None):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    train(model, tokenizer, examples, args.output_dir, args.steps, args.batch_size, args.lr, args.lr_scheduler,
-          args.max_grad_norm, args.bf16, args.gradient_checkpointing)
+    train(
+        model,
+        tokenizer,
+        examples,
+        args.output_dir,
+        args.steps,
+        args.batch_size,
+        args.lr,
+        args.lr_scheduler,
+        args.max_grad_norm,
+        args.bf16,
+        args.gradient_checkpointing,
+    )
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     if task is not None:
         held_out = task.sample_examples(tokenizer, 1000, seed=args.seed + 1)
-        print(f"recall accuracy on 1000 held-out prompts: {recall_accuracy(model, held_out, tokenizer.pad_token_id):.3f}")
+        print(
+            f"recall accuracy on 1000 held-out prompts: {recall_accuracy(model, held_out, tokenizer.pad_token_id):.3f}"
+        )
     print(f"saved model and tokenizer to {args.output_dir}")
 
 

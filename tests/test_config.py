@@ -20,6 +20,7 @@ INVALID_FIELDS = [
     ("attention_dropout", 1.5),
     ("hidden_act", "not_an_activation"),
     ("sliding_window", 0),
+    ("sliding_window", 1),  # Transformers' sliding cache keeps everything for W = 1
     ("sliding_window", None),  # a sliding layer needs a window
     ("layer_types", ["sliding_attention"]),  # wrong length
     ("layer_types", ["sliding_attention", "linear_attention", "full_attention"]),

@@ -34,30 +34,38 @@ def test_conversion_maps_every_tensor(hf_dir, tmp_path):
     dst = load_file(out / "model.safetensors")
     config = tiny_config()
     bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731
-    expected = {"model.embed_tokens.weight": bf16(src["model.embed_tokens.weight"]),
-                "model.norm.weight": bf16(src["model.norm.weight"]),
-                "lm_head.weight": bf16(src["lm_head.weight"])}
+    expected = {
+        "model.embed_tokens.weight": bf16(src["model.embed_tokens.weight"]),
+        "model.norm.weight": bf16(src["model.norm.weight"]),
+        "lm_head.weight": bf16(src["lm_head.weight"]),
+    }
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         s = p + "self_attn.ssm."
-        expected.update({
-            p + "input_layernorm.weight": bf16(src[p + "input_layernorm.weight"]),
-            p + "post_attention_layernorm.weight": bf16(src[p + "post_attention_layernorm.weight"]),
-            p + "self_attn.qkv_proj.weight": bf16(torch.cat([src[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])),
-            p + "self_attn.o_proj.weight": bf16(src[p + "self_attn.o_proj.weight"]),
-            p + "self_attn.in_proj.weight": bf16(src[s + "in_proj.weight"]),
-            p + "self_attn.out_proj.weight": bf16(src[s + "out_proj.weight"]),
-            p + "mlp.gate_up_proj.weight": bf16(torch.cat([src[p + "mlp.gate_proj.weight"], src[p + "mlp.up_proj.weight"]])),
-            p + "mlp.down_proj.weight": bf16(src[p + "mlp.down_proj.weight"]),
-            p + "self_attn.attn.ssm.conv1d_weight": bf16(src[s + "conv1d.weight"].squeeze(1)),
-            p + "self_attn.attn.ssm.conv1d_bias": bf16(src[s + "conv1d.bias"]),
-            p + "self_attn.attn.ssm.x_proj.weight": bf16(src[s + "x_proj.weight"]),
-            p + "self_attn.attn.ssm.dt_proj.weight": bf16(src[s + "dt_proj.weight"]),
-            p + "self_attn.attn.ssm.dt_proj.bias": bf16(src[s + "dt_proj.bias"]),
-            # A = -exp(A_log), computed once, kept in fp32 like D.
-            p + "self_attn.attn.ssm.A": -torch.exp(src[s + "A_log"].double()).float(),
-            p + "self_attn.attn.ssm.D": src[s + "D"].float(),
-        })
+        expected.update(
+            {
+                p + "input_layernorm.weight": bf16(src[p + "input_layernorm.weight"]),
+                p + "post_attention_layernorm.weight": bf16(src[p + "post_attention_layernorm.weight"]),
+                p + "self_attn.qkv_proj.weight": bf16(
+                    torch.cat([src[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+                ),
+                p + "self_attn.o_proj.weight": bf16(src[p + "self_attn.o_proj.weight"]),
+                p + "self_attn.in_proj.weight": bf16(src[s + "in_proj.weight"]),
+                p + "self_attn.out_proj.weight": bf16(src[s + "out_proj.weight"]),
+                p + "mlp.gate_up_proj.weight": bf16(
+                    torch.cat([src[p + "mlp.gate_proj.weight"], src[p + "mlp.up_proj.weight"]])
+                ),
+                p + "mlp.down_proj.weight": bf16(src[p + "mlp.down_proj.weight"]),
+                p + "self_attn.attn.ssm.conv1d_weight": bf16(src[s + "conv1d.weight"].squeeze(1)),
+                p + "self_attn.attn.ssm.conv1d_bias": bf16(src[s + "conv1d.bias"]),
+                p + "self_attn.attn.ssm.x_proj.weight": bf16(src[s + "x_proj.weight"]),
+                p + "self_attn.attn.ssm.dt_proj.weight": bf16(src[s + "dt_proj.weight"]),
+                p + "self_attn.attn.ssm.dt_proj.bias": bf16(src[s + "dt_proj.bias"]),
+                # A = -exp(A_log), computed once, kept in fp32 like D.
+                p + "self_attn.attn.ssm.A": -torch.exp(src[s + "A_log"].double()).float(),
+                p + "self_attn.attn.ssm.D": src[s + "D"].float(),
+            }
+        )
     assert set(dst) == set(expected)
     for name, tensor in expected.items():
         assert dst[name].dtype == tensor.dtype, name
@@ -88,16 +96,28 @@ def corrupt_config(hf_dir, **fields):
 
 
 CORRUPTIONS = {
-    "missing tensor": (lambda d: corrupt_tensors(d, lambda t: t.pop("model.layers.1.self_attn.ssm.A_log")),
-                       "missing tensor model.layers.1.self_attn.ssm.A_log"),
-    "wrong shape": (lambda d: corrupt_tensors(d, lambda t: t.update({"model.layers.0.self_attn.ssm.D": torch.ones(7)})),
-                    "model.layers.0.self_attn.ssm.D has shape (7,)"),
-    "unknown tensor": (lambda d: corrupt_tensors(d, lambda t: t.update({"model.extra.weight": torch.ones(2)})),
-                       "unknown tensor model.extra.weight"),
-    "integer tensor": (lambda d: corrupt_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)})),
-                       "model.norm.weight has dtype torch.int32"),
-    "nan": (lambda d: corrupt_tensors(d, lambda t: t["model.layers.2.mlp.up_proj.weight"].__setitem__((0, 0), float("nan"))),
-            "model.layers.2.mlp.up_proj.weight holds NaN"),
+    "missing tensor": (
+        lambda d: corrupt_tensors(d, lambda t: t.pop("model.layers.1.self_attn.ssm.A_log")),
+        "missing tensor model.layers.1.self_attn.ssm.A_log",
+    ),
+    "wrong shape": (
+        lambda d: corrupt_tensors(d, lambda t: t.update({"model.layers.0.self_attn.ssm.D": torch.ones(7)})),
+        "model.layers.0.self_attn.ssm.D has shape (7,)",
+    ),
+    "unknown tensor": (
+        lambda d: corrupt_tensors(d, lambda t: t.update({"model.extra.weight": torch.ones(2)})),
+        "unknown tensor model.extra.weight",
+    ),
+    "integer tensor": (
+        lambda d: corrupt_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)})),
+        "model.norm.weight has dtype torch.int32",
+    ),
+    "nan": (
+        lambda d: corrupt_tensors(
+            d, lambda t: t["model.layers.2.mlp.up_proj.weight"].__setitem__((0, 0), float("nan"))
+        ),
+        "model.layers.2.mlp.up_proj.weight holds NaN",
+    ),
     "wrong model_type": (lambda d: corrupt_config(d, model_type="llama"), "model_type is 'llama'"),
     "invalid config": (lambda d: corrupt_config(d, num_key_value_heads=3), "num_key_value_heads"),
     "unreadable weights": (lambda d: (d / "model.safetensors").write_bytes(b"not a safetensors file"), "cannot read"),

@@ -122,7 +122,9 @@ def test_attention_path_matches_mistral_when_ssm_is_off(make_model):
         model.set_attn_implementation(implementation)
         mistral.set_attn_implementation(implementation)
         with torch.no_grad():
-            torch.testing.assert_close(model(ids, attention_mask=mask).logits, mistral(ids, attention_mask=mask).logits)
+            torch.testing.assert_close(
+                model(ids, attention_mask=mask).logits, mistral(ids, attention_mask=mask).logits
+            )
     with torch.no_grad():
         ours = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
         theirs = mistral.generate(ids[:1], max_new_tokens=12, do_sample=False)
@@ -171,7 +173,10 @@ def test_padding_never_enters_the_ssm_state(make_model):
     for layer_idx in range(model.config.num_hidden_layers):
         for cache in caches:
             torch.testing.assert_close(
-                cache.layers[layer_idx].recurrent_states[0], alone.layers[layer_idx].recurrent_states[0], atol=ATOL, rtol=1e-4
+                cache.layers[layer_idx].recurrent_states[0],
+                alone.layers[layer_idx].recurrent_states[0],
+                atol=ATOL,
+                rtol=1e-4,
             )
             torch.testing.assert_close(cache.layers[layer_idx].conv_states[0], alone.layers[layer_idx].conv_states[0])
 

@@ -39,8 +39,22 @@ def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     words = RecallTask().words
     text.write_text(" ".join(words[i] for i in torch.randint(len(words), (400,), generator=generator).tolist()))
     tuned = tmp_path / "tuned"
-    train.main(["--model", str(out), "--text-file", str(text), "--block-size", "16", "--steps", "4",
-                "--batch-size", "4", "--output-dir", str(tuned)])
+    train.main(
+        [
+            "--model",
+            str(out),
+            "--text-file",
+            str(text),
+            "--block-size",
+            "16",
+            "--steps",
+            "4",
+            "--batch-size",
+            "4",
+            "--output-dir",
+            str(tuned),
+        ]
+    )
     before, after = HybridForCausalLM.from_pretrained(out), HybridForCausalLM.from_pretrained(tuned)
     changed = [n for n, p in after.named_parameters() if not torch.equal(p, before.state_dict()[n])]
     assert changed, "fine-tuning changed no parameter"

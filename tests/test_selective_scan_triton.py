@@ -42,8 +42,11 @@ CASES = [  # batch, T, E, N, dtype, with initial state
 ]
 
 
-@pytest.mark.parametrize("batch,seq_len,channels,state,dtype,with_initial", CASES,
-                         ids=[f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}" for c in CASES])
+@pytest.mark.parametrize(
+    "batch,seq_len,channels,state,dtype,with_initial",
+    CASES,
+    ids=[f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}" for c in CASES],
+)
 def test_forward_matches_reference(scan_fwd, batch, seq_len, channels, state, dtype, with_initial):
     u, dt, A, B, C, D, z, initial = random_scan_inputs(batch, seq_len, channels, state, dtype)
     initial = initial if with_initial else None

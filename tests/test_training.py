@@ -119,9 +119,24 @@ def test_trainer_out_of_the_box(make_model, tmp_path):
 def test_peft_lora_on_the_projection_names(make_model):
     peft = pytest.importorskip("peft")
     model = make_model()
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "x_proj", "out_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
-    wrapped = {name.split(".")[-1] for name, module in lora.named_modules() if isinstance(module, peft.tuners.lora.Linear)}
+    targets = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "in_proj",
+        "x_proj",
+        "out_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    )
+    wrapped = {
+        name.split(".")[-1] for name, module in lora.named_modules() if isinstance(module, peft.tuners.lora.Linear)
+    }
     assert wrapped == set(targets)
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)

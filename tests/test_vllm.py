@@ -33,8 +33,12 @@ def checkpoints(tmp_path_factory):
     tokenizer = RecallTask().build_tokenizer()
     torch.manual_seed(0)
     config = tiny_config(
-        vocab_size=len(tokenizer), num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        sliding_window=WINDOW, max_position_embeddings=1024,
+        vocab_size=len(tokenizer),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=WINDOW,
+        max_position_embeddings=1024,
     )
     model = randomize_(HybridForCausalLM(config)).eval()
     model.save_pretrained(root / "hf")
@@ -51,20 +55,35 @@ def random_prompts(lengths, vocab_size, seed=0):
 def hf_greedy(model, prompt):
     """Transformers' greedy continuation and the log-probability of each chosen token."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens)]
     return tokens, logprobs
 
 
 def run_vllm(model_dir, requests, alone=False, **engine):
-    spec = {"model": str(model_dir), "llm": {**ENGINE, **engine}, "requests": requests, "max_tokens": MAX_TOKENS,
-            "alone": alone}
+    spec = {
+        "model": str(model_dir),
+        "llm": {**ENGINE, **engine},
+        "requests": requests,
+        "max_tokens": MAX_TOKENS,
+        "alone": alone,
+    }
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "vllm_generate.py"), str(spec_path)],
-                            capture_output=True, text=True, timeout=900, env=engine_environment())
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "tests" / "vllm_generate.py"), str(spec_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=engine_environment(),
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert lines, f"vLLM failed:\n{result.stderr[-5000:]}"
     return json.loads(lines[0].removeprefix("RESULT_JSON "))
@@ -103,13 +122,27 @@ def test_vllm_serve_openai_completions(checkpoints, tmp_path):
     keeps serving."""
     model, converted_dir = checkpoints
     vllm_dir = converted_dir.parent / "hf"
-    server_args = ["--dtype", "float32", "--max-model-len", "256", "--gpu-memory-utilization", "0.2",
-                   "--block-size", "16"]
+    server_args = [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--block-size",
+        "16",
+    ]
     with running_server(vllm_dir, tmp_path / "serve.log", *server_args) as base:
         prompt = random_prompts([70], model.config.vocab_size, seed=2)[0]
         expected, _ = hf_greedy(model, prompt)
-        request = {"model": str(vllm_dir), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                   "return_token_ids": True, "ignore_eos": True}
+        request = {
+            "model": str(vllm_dir),
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         status, body = post_json(base + "/v1/completions", request)
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == expected

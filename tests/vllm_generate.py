@@ -29,9 +29,7 @@ def run(spec: dict) -> dict:
     result = {"outputs": generate(spec["requests"])}
     if spec.get("alone"):
         result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
-    result["preemptions"] = sum(
-        metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions"
-    )
+    result["preemptions"] = sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
     return result
 
 

@@ -17,7 +17,7 @@ import functools
 
 import torch
 from torch.library import Library
-from vllm.config import CacheConfig
+from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.utils.torch_utils import (
@@ -29,9 +29,10 @@ from vllm.utils.torch_utils import (
 from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import HybridSSMAdapter, default_dt_rank, ssm_forward_torch
+from .ssm import HybridSSMAdapter, ssm_forward_torch
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
+HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
 
 
 class HybridAttentionImplMixin:
@@ -90,7 +91,9 @@ class HybridAttentionLayer(Attention):
     ):
         sliding_window = extra_impl_args.pop("per_layer_sliding_window", None)
         platform_backend = get_attn_backend(
-            head_size, torch.get_default_dtype(), cache_config.cache_dtype if cache_config else "auto",
+            head_size,
+            torch.get_default_dtype(),
+            cache_config.cache_dtype if cache_config else "auto",
             has_sliding_window=sliding_window is not None,
         )
         super().__init__(
@@ -108,7 +111,7 @@ class HybridAttentionLayer(Attention):
             intermediate_size=ssm_intermediate_size,
             state_size=ssm_state_size,
             conv_kernel_size=ssm_conv_kernel_size,
-            dt_rank=ssm_dt_rank or default_dt_rank(ssm_intermediate_size),
+            dt_rank=ssm_dt_rank or get_current_vllm_config().model_config.hf_config.ssm_dt_rank,
             conv_bias=ssm_conv_bias,
             cache_config=cache_config,
             prefix=f"{prefix}.ssm",

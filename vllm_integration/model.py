@@ -27,7 +27,8 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from configuration import HybridConfig
 
-from .attention import HybridAttentionLayer
+from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
+from .layout import vllm_tensor
 from .ssm import hybrid_state_dtypes, hybrid_state_shapes
 
 
@@ -37,8 +38,9 @@ class HybridMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=False, prefix=f"{prefix}.gate_up_proj"
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False,
-                                           prefix=f"{prefix}.down_proj")
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,19 +64,34 @@ class HybridAttention(nn.Module):
         layer_type = config.layer_types[extract_layer_index(prefix)]
 
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=config.attention_bias, prefix=f"{prefix}.qkv_proj",
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=config.attention_bias, prefix=f"{prefix}.o_proj")
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            prefix=f"{prefix}.o_proj",
+        )
         self.in_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.ssm_intermediate_size] * 2, bias=False, prefix=f"{prefix}.in_proj"
         )
         # Full-width output on every rank (all-reduced), of which each rank adds its own heads' columns.
-        self.out_proj = RowParallelLinear(config.ssm_intermediate_size, config.num_attention_heads * self.head_dim,
-                                          bias=False, input_is_parallel=True, prefix=f"{prefix}.out_proj")
+        self.out_proj = RowParallelLinear(
+            config.ssm_intermediate_size,
+            config.num_attention_heads * self.head_dim,
+            bias=False,
+            input_is_parallel=True,
+            prefix=f"{prefix}.out_proj",
+        )
         self.rotary_emb = get_rope(
-            self.head_dim, max_position=config.max_position_embeddings, rope_parameters=config.rope_parameters,
+            self.head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=config.rope_parameters,
             is_neox_style=True,
         )
         self.attn = HybridAttentionLayer(
@@ -152,6 +169,23 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        # Both would need the SSM state handled per block or per draft token, which ssm_forward_torch does not do yet:
+        # refuse them rather than serve wrong tokens.
+        if vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "HybridForCausalLM does not support prefix caching yet: run without it "
+                "(--no-enable-prefix-caching, or enable_prefix_caching=False)"
+            )
+        if vllm_config.speculative_config is not None:
+            raise ValueError("HybridForCausalLM does not support speculative decoding yet")
+        # Piecewise compilation must cut the graph at the hybrid op as at vLLM's own attention ops: it reads
+        # per-batch metadata on the host (CUDA graphs cannot capture it).
+        splitting_ops = vllm_config.compilation_config.splitting_ops
+        if (
+            vllm_config.compilation_config.splitting_ops_contain_attention()
+            and HYBRID_ATTENTION_OP not in splitting_ops
+        ):
+            splitting_ops.append(HYBRID_ATTENTION_OP)
         self.config = config
         self.model = HybridModel(vllm_config=vllm_config, prefix="model")
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
@@ -197,7 +231,7 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         for name, tensor in weights:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            name, tensor = _from_transformers_layout(name, tensor)
+            name, tensor = vllm_tensor(name, tensor)
             for param_suffix, weight_suffix, shard_id in _STACKED_PARAMS:
                 if weight_suffix not in name:
                     continue
@@ -220,23 +254,6 @@ _STACKED_PARAMS = [
     (".gate_up_proj.", ".gate_proj.", 0),
     (".gate_up_proj.", ".up_proj.", 1),
 ]
-
-
-def _from_transformers_layout(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Maps a Transformers SSM tensor to its place here (converted names pass through unchanged)."""
-    if ".self_attn.ssm." not in name:
-        return name, tensor
-    prefix, leaf = name.split(".self_attn.ssm.")
-    if leaf in ("in_proj.weight", "out_proj.weight"):
-        return f"{prefix}.self_attn.{leaf}", tensor
-    state = f"{prefix}.self_attn.attn.ssm."
-    if leaf == "conv1d.weight":
-        return state + "conv1d_weight", tensor[:, 0, :]
-    if leaf == "conv1d.bias":
-        return state + "conv1d_bias", tensor
-    if leaf == "A_log":
-        return state + "A", -torch.exp(tensor.float())  # the one place A = -exp(A_log) is applied on this path
-    return state + leaf, tensor
 
 
 def _checkpoint_param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:

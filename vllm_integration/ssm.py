@@ -8,8 +8,6 @@ its own prefix (`{attention prefix}.ssm`) and gets `Mamba1AttentionMetadata` (de
 no Mamba-1 ops) and is the reference for the Triton path.
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,7 +89,13 @@ def ssm_forward_torch(
     if num_decodes:
         decode = slice(0, num_decode_tokens)
         y, state = selective_scan_ref(
-            u[decode, None], dt[decode, None], ssm.A, B[decode, None], C[decode, None], ssm.D, z[decode, None],
+            u[decode, None],
+            dt[decode, None],
+            ssm.A,
+            B[decode, None],
+            C[decode, None],
+            ssm.D,
+            z[decode, None],
             initial_state=ssm_state[decode_slots],
         )
         output[decode] = y[:, 0]
@@ -99,7 +103,13 @@ def ssm_forward_torch(
     for tokens, slot, continues in segments:
         initial = ssm_state[slot][None] if continues else None
         y, state = selective_scan_ref(
-            u[None, tokens], dt[None, tokens], ssm.A, B[None, tokens], C[None, tokens], ssm.D, z[None, tokens],
+            u[None, tokens],
+            dt[None, tokens],
+            ssm.A,
+            B[None, tokens],
+            C[None, tokens],
+            ssm.D,
+            z[None, tokens],
             initial_state=initial,
         )
         output[tokens] = y[0]
@@ -128,7 +138,9 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
         if intermediate_size % tp_size:
-            raise ValueError(f"ssm_intermediate_size {intermediate_size} is not divisible by tensor parallel {tp_size}")
+            raise ValueError(
+                f"ssm_intermediate_size {intermediate_size} is not divisible by tensor parallel {tp_size}"
+            )
         self.intermediate_size = intermediate_size
         self.local_size = intermediate_size // tp_size
         self.state_size = state_size
@@ -185,7 +197,3 @@ class HybridSSMAdapter(MambaBase, nn.Module):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         # The state layout and metadata of Mamba-1: vLLM builds Mamba1AttentionMetadata for this layer.
         return MambaAttentionBackendEnum.MAMBA1
-
-
-def default_dt_rank(intermediate_size: int) -> int:
-    return math.ceil(intermediate_size / 16)
