@@ -31,15 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
-from vllm_integration.layout import vllm_tensor  # noqa: E402
+from vllm_integration.layout import FUSED_PROJECTIONS, vllm_tensor  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP32_TENSORS = (".A", ".D")
-# fused vLLM projection -> the Transformers projections it concatenates, in order
-FUSED_PROJECTIONS = {
-    ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
-    ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
-}
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -132,7 +127,12 @@ def to_vllm(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
     out = {}
     for name, tensor in tqdm(tensors.items(), desc="converting", unit="tensor"):
         fused = next(
-            ((into, parts) for into, parts in FUSED_PROJECTIONS.items() if any(p in name for p in parts)), None
+            (
+                (into, [part for part, _ in parts])
+                for into, parts in FUSED_PROJECTIONS.items()
+                if any(part in name for part, _ in parts)
+            ),
+            None,
         )
         if fused is None:
             name, tensor = vllm_tensor(name, tensor)

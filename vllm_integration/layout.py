@@ -1,9 +1,15 @@
 """Where each Transformers tensor goes in the vLLM model, and how it changes on the way. Pure PyTorch: the converter
 (scripts/convert_to_vllm.py) and the vLLM loader (`HybridForCausalLM.load_weights`) share it, so the two loading
-paths cannot disagree. The fusing of q/k/v and gate/up is not here: the converter concatenates, the loader stacks
-through the fused layers' shard loaders."""
+paths cannot disagree. q/k/v and gate/up are fused: the converter concatenates them in `FUSED_PROJECTIONS` order,
+the loader stacks them through the fused layers' shard loaders."""
 
 import torch
+
+# fused vLLM projection -> (Transformers projection, shard id of vLLM's fused-layer loader), in concatenation order
+FUSED_PROJECTIONS = {
+    ".self_attn.qkv_proj.": ((".self_attn.q_proj.", "q"), (".self_attn.k_proj.", "k"), (".self_attn.v_proj.", "v")),
+    ".mlp.gate_up_proj.": ((".mlp.gate_proj.", 0), (".mlp.up_proj.", 1)),
+}
 
 
 def vllm_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from configuration import HybridConfig
 
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
-from .layout import vllm_tensor
+from .layout import FUSED_PROJECTIONS, vllm_tensor
 from .ssm import hybrid_state_dtypes, hybrid_state_shapes
 
 
@@ -232,10 +232,11 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             name, tensor = vllm_tensor(name, tensor)
-            for param_suffix, weight_suffix, shard_id in _STACKED_PARAMS:
-                if weight_suffix not in name:
+            stacked = [(fused, part, shard) for fused, parts in FUSED_PROJECTIONS.items() for part, shard in parts]
+            for fused, part, shard_id in stacked:
+                if part not in name:
                     continue
-                name = name.replace(weight_suffix, param_suffix)
+                name = name.replace(part, fused)
                 param = _checkpoint_param(params, name)
                 param.weight_loader(param, tensor, shard_id)
                 break
@@ -244,16 +245,6 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
         return loaded
-
-
-# (fused parameter, Transformers projection, shard) for checkpoints with separate projections.
-_STACKED_PARAMS = [
-    (".qkv_proj.", ".q_proj.", "q"),
-    (".qkv_proj.", ".k_proj.", "k"),
-    (".qkv_proj.", ".v_proj.", "v"),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
-]
 
 
 def _checkpoint_param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:

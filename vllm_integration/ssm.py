@@ -56,13 +56,16 @@ def ssm_forward_torch(
 
     # 1. Causal conv per request, from its cached last K-1 inputs (zeros for a new request), writing them back.
     u = torch.empty_like(xs)
-    conv_weight = ssm.conv1d_weight[:, None, :]  # [E, 1, K]
+
+    def causal_conv(padded: torch.Tensor) -> torch.Tensor:  # [n, E, K-1+L] -> [n, E, L]
+        return F.conv1d(padded, ssm.conv1d_weight[:, None, :], ssm.conv1d_bias, groups=padded.shape[1])
+
     segments = []  # (token slice, state slot, continues from the cache)
     if num_decodes:
         decode_slots = metadata.state_indices_tensor_d[:, 0]
         history = conv_state[decode_slots]  # [nd, E, K-1]
         window = torch.cat([history, xs[:num_decode_tokens, :, None].to(history.dtype)], dim=-1)  # [nd, E, K]
-        u[:num_decode_tokens] = (window.to(xs.dtype) * ssm.conv1d_weight).sum(-1) + ssm.conv1d_bias_or_zero()
+        u[:num_decode_tokens] = causal_conv(window.to(xs.dtype))[..., 0]
         conv_state[decode_slots] = window[..., 1:]
     if metadata.num_prefills:
         starts = (metadata.query_start_loc_p + num_decode_tokens).tolist()
@@ -76,7 +79,7 @@ def ssm_forward_torch(
             else:
                 history = seq.new_zeros(seq.shape[0], ssm.conv_kernel_size - 1)
             padded = torch.cat([history, seq], dim=-1)  # [E, K-1+L]
-            u[tokens] = F.conv1d(padded[None], conv_weight, ssm.conv1d_bias, groups=padded.shape[0])[0].T
+            u[tokens] = causal_conv(padded[None])[0].T
             conv_state[slot] = padded[:, padded.shape[1] - (ssm.conv_kernel_size - 1) :]
             segments.append((tokens, slot, continues[i]))
     u = F.silu(u)
@@ -176,9 +179,6 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         self.model_config = vllm_config.model_config
         self.cache_config = cache_config
         self.prefix = prefix
-
-    def conv1d_bias_or_zero(self):
-        return self.conv1d_bias if self.conv1d_bias is not None else 0
 
     def state_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv state [slots, E, K-1], ssm state [slots, E, N]) whatever vLLM's conv-state layout."""
