@@ -76,6 +76,9 @@ class HybridConfig(PreTrainedConfig):
         use_ssm_branch (`bool`, *optional*, defaults to `True`):
             Switches the SSM history branch off (it is then not built): the model is plain sliding-window
             attention, the control the architecture is measured against.
+        use_ssm_kernels (`bool`, *optional*, defaults to `True`):
+            Whether the SSM branch runs its Triton kernels (causal conv1d and selective scan) when the model is on a
+            CUDA device. `False` forces the plain PyTorch reference path everywhere; CPU tensors always take it.
 
     ```python
     >>> from configuration import HybridConfig
@@ -116,6 +119,7 @@ class HybridConfig(PreTrainedConfig):
     ssm_dt_init_floor: float = 1e-4
     ssm_conv_bias: bool = True
     use_ssm_branch: bool = True
+    use_ssm_kernels: bool = True
     pad_token_id: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = 2
@@ -152,7 +156,14 @@ class HybridConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not _is_positive_int(value):
                 raise ValueError(f"HybridConfig.{name} must be a positive integer, got {value!r}")
-        for name in ("use_cache", "tie_word_embeddings", "attention_bias", "ssm_conv_bias", "use_ssm_branch"):
+        for name in (
+            "use_cache",
+            "tie_word_embeddings",
+            "attention_bias",
+            "ssm_conv_bias",
+            "use_ssm_branch",
+            "use_ssm_kernels",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"HybridConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("rms_norm_eps", "ssm_dt_min", "ssm_dt_max", "ssm_dt_init_floor"):

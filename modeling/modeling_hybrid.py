@@ -4,6 +4,7 @@ selective-SSM "history branch" that carries what has left the window. DESIGN.md 
 Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, `PreTrainedModel`, model, LM head.
 """
 
+import importlib.util
 import math
 from collections.abc import Callable
 
@@ -30,13 +31,23 @@ from transformers.models.llama.modeling_llama import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.processing_utils import Unpack
-from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils import TransformersKwargs, can_return_tuple, logging
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from configuration import HybridConfig
 
-from .ops import selective_scan_ref
+from .ops import causal_conv1d_ref, selective_scan_ref
+
+
+logger = logging.get_logger(__name__)
+
+# The SSM branch's Triton kernels (causal conv1d and selective scan, forward and backward) run on CUDA tensors; Triton
+# ships with PyTorch's CUDA builds. Elsewhere, or with `config.use_ssm_kernels=False`, the PyTorch references run.
+is_fast_path_available = importlib.util.find_spec("triton") is not None
+if is_fast_path_available:
+    from .ops.causal_conv1d_triton import causal_conv1d_fn
+    from .ops.selective_scan_triton import selective_scan_fn
 
 
 class HybridCache(DynamicCache):
@@ -95,6 +106,7 @@ class HybridSSM(nn.Module):
         self.conv_kernel_size = config.ssm_conv_kernel_size
         self.dt_rank = config.ssm_dt_rank
         self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
+        self.use_kernels = config.use_ssm_kernels
 
         self.in_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.conv1d = nn.Conv1d(
@@ -117,8 +129,7 @@ class HybridSSM(nn.Module):
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`)."""
-        batch_size = hidden_states.shape[0]
-        history_len = self.conv_kernel_size - 1
+        causal_conv1d, selective_scan = self._ops_for(hidden_states)
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
 
         # 1. Input projection: xs feeds the conv and the scan, z gates the output. Padding is zeroed so that the conv
@@ -126,19 +137,15 @@ class HybridSSM(nn.Module):
         xs, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, T, E] each
         if padding_mask is not None:
             xs = xs * padding_mask[..., None].to(xs.dtype)
-        xs = xs.transpose(1, 2)  # [B, E, T]
 
-        # 2. Causal depthwise conv, continuing from the cached last K-1 inputs.
-        if has_history:
-            conv_history = past_key_values.layers[self.layer_idx].conv_states[0]
-        else:
-            conv_history = xs.new_zeros(batch_size, self.intermediate_size, history_len)
-        conv_input = torch.cat([conv_history.to(xs.dtype), xs], dim=-1)  # [B, E, K-1+T]
+        # 2. Causal depthwise conv (silu fused), continuing from the cached last K-1 inputs.
+        conv_history = past_key_values.layers[self.layer_idx].conv_states[0] if has_history else None  # [B, E, K-1]
+        u = causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history)  # [B, T, E]
         if past_key_values is not None:
-            # Updates the cached history in place: only after `conv_input` has read it.
-            past_key_values.update_conv_state(xs, self.layer_idx, conv_kernel_size=history_len)
-        u = F.silu(F.conv1d(conv_input, self.conv1d.weight, self.conv1d.bias, groups=self.intermediate_size))
-        u = u.transpose(1, 2)  # [B, T, E]
+            # Updates the cached history in place: only after the conv has read it.
+            past_key_values.update_conv_state(
+                xs.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
+            )
 
         # 3. Input-dependent step size and state projections. dt_proj's bias is the dt bias: applied once, here.
         dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
@@ -150,11 +157,22 @@ class HybridSSM(nn.Module):
         # 4. Selective scan in fp32 from the cached state.
         A = -torch.exp(self.A_log.float())  # [E, N]
         initial_state = past_key_values.layers[self.layer_idx].recurrent_states[0] if has_history else None
-        y, final_state = selective_scan_ref(u, dt, A, B, C, self.D, z, initial_state)
+        y, final_state = selective_scan(u, dt, A, B, C, self.D, z, initial_state)
         if past_key_values is not None:
-            past_key_values.update_recurrent_state(final_state, self.layer_idx)
+            past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 
         return self.out_proj(y)
+
+    def _ops_for(self, hidden_states: torch.Tensor) -> tuple[Callable, Callable]:
+        """(causal conv1d, selective scan): the Triton kernels for CUDA tensors, else the PyTorch references."""
+        if hidden_states.is_cuda and self.use_kernels:
+            if is_fast_path_available:
+                return causal_conv1d_fn, selective_scan_fn
+            logger.warning_once(
+                "The SSM branch runs its slow PyTorch reference on CUDA because Triton is not installed "
+                "(`pip install triton`); set `config.use_ssm_kernels=False` to silence this."
+            )
+        return causal_conv1d_ref, selective_scan_ref
 
 
 class HybridAttention(nn.Module):

@@ -8,14 +8,41 @@ from pathlib import Path
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
-from configuration import HybridConfig  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
+from configuration import HybridConfig
+from modeling import HybridForCausalLM
+
+
+@pytest.fixture(scope="session", autouse=True)
+def interpreter_bf16_dot():
+    """Triton 3.6's interpreter keeps bf16 as raw uint16 bits and multiplies those bits in `tl.dot`; widen them to fp32
+    first (exact: bf16 is the top half of fp32), as the tensor cores' bf16 x bf16 -> fp32 products are. Compiled
+    kernels are unaffected; nothing is patched off the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(InterpreterBuilder, "create_dot", create_dot_widening_bf16)
+        yield
 
 
 def tiny_config(**overrides) -> HybridConfig:

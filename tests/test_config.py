@@ -1,7 +1,7 @@
 import pytest
+from conftest import tiny_config
 
 from configuration import HybridConfig
-from conftest import tiny_config
 
 INVALID_FIELDS = [
     ("vocab_size", 0),
@@ -35,6 +35,7 @@ INVALID_FIELDS = [
     ("ssm_dt_init_floor", 0.0),
     ("ssm_conv_bias", "yes"),
     ("use_ssm_branch", 1),
+    ("use_ssm_kernels", "auto"),
     ("tie_word_embeddings", None),
 ]
 

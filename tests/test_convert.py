@@ -4,12 +4,12 @@ import json
 import subprocess
 import sys
 
+import convert_to_vllm
 import pytest
 import torch
+from conftest import REPO_ROOT, randomize_, tiny_config
 from safetensors.torch import load_file, save_file
 
-import convert_to_vllm
-from conftest import REPO_ROOT, randomize_, tiny_config
 from modeling import HybridForCausalLM
 
 
@@ -33,7 +33,7 @@ def test_conversion_maps_every_tensor(hf_dir, tmp_path):
     src = load_file(hf_dir / "model.safetensors")
     dst = load_file(out / "model.safetensors")
     config = tiny_config()
-    bf16 = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    bf16 = lambda t: t.to(torch.bfloat16)
     expected = {
         "model.embed_tokens.weight": bf16(src["model.embed_tokens.weight"]),
         "model.norm.weight": bf16(src["model.norm.weight"]),

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_config
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
-from conftest import tiny_config
 from modeling import HybridCache, HybridForCausalLM, HybridModel
 from modeling.ops import selective_scan_ref
 

@@ -3,11 +3,11 @@
 import json
 
 import torch
+import train
+from recall_task import RecallTask
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import train
 from modeling import HybridForCausalLM
-from recall_task import RecallTask
 
 
 def test_recall_task_puts_the_answer_beyond_the_attention_reach():

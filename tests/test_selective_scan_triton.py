@@ -1,4 +1,5 @@
-"""The Triton selective-scan forward against `selective_scan_ref`, in Triton's interpreter on CPU machines."""
+"""The Triton selective scan against its references (`selective_scan_ref`, `selective_scan_varlen_ref`), in Triton's
+interpreter on CPU machines: training forward + every gradient, and the serving prefill with its state cache."""
 
 import importlib
 
@@ -6,55 +7,200 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling.ops import selective_scan_ref
+from modeling.ops.selective_scan import selective_scan_ref, selective_scan_varlen_ref
 
 pytest.importorskip("triton")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
 
 @pytest.fixture(scope="module")
-def scan_fwd():
-    """The kernel, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET before triton loads)."""
-    return importlib.import_module("modeling.ops.selective_scan_triton").selective_scan_fwd_triton
+def scan():
+    """The kernels' module, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET first)."""
+    return importlib.import_module("modeling.ops.selective_scan_triton")
 
 
-def random_scan_inputs(batch, seq_len, channels, state, dtype, seed=0):
+def assert_close_scaled(actual, expected, tol, name):
+    """Elementwise closeness with an absolute floor scaled to the tensor's magnitude (gradients sum many terms)."""
+    expected = expected.double()
+    scale = expected.abs().max().clamp_min(1.0).item()
+    torch.testing.assert_close(actual.double(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def random_training_inputs(batch, seq_len, channels, state, dtype, seed=0):
+    """u and z are halves of one [B, T, 2E] tensor (strided views, as in the model); dt stays fp32 like the
+    model's softplus output; everything random, nothing zero."""
     g = torch.Generator().manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
 
-    u, z = rand(batch, seq_len, channels).to(dtype), rand(batch, seq_len, channels).to(dtype)
-    dt = F.softplus(rand(batch, seq_len, channels) - 2).to(dtype)
-    A = -torch.exp(rand(channels, state, scale=0.5))
-    B, C = rand(batch, seq_len, state).to(dtype), rand(batch, seq_len, state).to(dtype)
-    D = rand(channels)
-    initial = rand(batch, channels, state)
-    return u, dt, A, B, C, D, z, initial
+    u, z = rand(batch, seq_len, 2 * channels).chunk(2, dim=-1)
+    return {
+        "u": u,
+        "dt": F.softplus(rand(batch, seq_len, channels) - 1.0),
+        "A": -torch.exp(rand(channels, state, scale=0.5)),
+        "B": rand(batch, seq_len, state),
+        "C": rand(batch, seq_len, state),
+        "D": rand(channels),
+        "z": z,
+        "initial_state": rand(batch, channels, state),
+    }
 
 
-CASES = [  # batch, T, E, N, dtype, with initial state
-    (2, 13, 20, 16, torch.float32, False),
-    (3, 7, 33, 5, torch.float32, True),
-    (1, 1, 16, 16, torch.float32, True),
-    (2, 11, 24, 16, torch.bfloat16, True),
-    (2, 9, 18, 8, torch.float16, False),
+TRAIN_CASES = [  # batch, T, E, N, dtype of u/z/B/C, with initial state, chunk (None: one chunk per sequence), seg
+    (2, 13, 20, 16, torch.float32, False, None, 16),
+    (3, 7, 33, 5, torch.float32, True, None, 16),
+    (1, 1, 16, 16, torch.float32, True, None, 16),
+    (2, 37, 24, 8, torch.float32, True, 16, 4),
+    (1, 40, 18, 16, torch.float32, False, 8, 8),
+    (2, 19, 24, 16, torch.bfloat16, True, 8, 4),
+    (2, 9, 18, 8, torch.float16, False, None, 4),
 ]
 
 
 @pytest.mark.parametrize(
-    "batch,seq_len,channels,state,dtype,with_initial",
-    CASES,
-    ids=[f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}" for c in CASES],
+    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg",
+    TRAIN_CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}-chunk{c[6]}-seg{c[7]}"
+        for c in TRAIN_CASES
+    ],
 )
-def test_forward_matches_reference(scan_fwd, batch, seq_len, channels, state, dtype, with_initial):
-    u, dt, A, B, C, D, z, initial = random_scan_inputs(batch, seq_len, channels, state, dtype)
-    initial = initial if with_initial else None
-    y_out = torch.full_like(u, float("nan"))  # poisoned: every element must be written
-    state_out = torch.full((batch, channels, state), float("nan"), device=u.device)
-    y, final = scan_fwd(u, dt, A, B, C, D, z, initial, out=(y_out, state_out))
-    y_ref, final_ref = selective_scan_ref(u, dt, A, B, C, D, z, initial)
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
-    assert y is y_out and final is state_out
-    torch.testing.assert_close(y.float(), y_ref.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(final, final_ref, atol=1e-5, rtol=1e-5)
+def test_training_forward_backward(scan, batch, seq_len, channels, state, dtype, with_initial, chunk, seg):
+    inputs = random_training_inputs(batch, seq_len, channels, state, dtype)
+    if not with_initial:
+        inputs["initial_state"] = None
+    low_precision = {"u", "z", "B", "C"}  # the model's bf16 activations; dt, A, D, state stay fp32
+    names = [k for k, v in inputs.items() if v is not None]
+
+    # Reference in fp64 on the kernel's (rounded) input values.
+    kernel_inputs = {k: (inputs[k].to(dtype) if k in low_precision else inputs[k].float()) for k in names}
+    ref_inputs = {k: v.detach().double().requires_grad_() for k, v in kernel_inputs.items()}
+    y_ref, final_ref = selective_scan_ref(**ref_inputs)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
+    d_final = torch.randn(final_ref.shape, generator=g, dtype=torch.float64)
+    ((y_ref * dy).sum() + (final_ref * d_final).sum()).backward()
+
+    xz = torch.cat([kernel_inputs["u"], kernel_inputs["z"]], dim=-1).to(DEVICE)  # u, z: strided views again
+    leaves = {k: v.detach().to(DEVICE).requires_grad_() for k, v in kernel_inputs.items() if k not in ("u", "z")}
+    xz.requires_grad_()
+    u, z = xz.chunk(2, dim=-1)
+    y, final = scan.selective_scan_fn(u=u, z=z, **leaves, chunk=chunk, seg=seg)
+    ((y.float() * dy.float().to(DEVICE)).sum() + (final * d_final.float().to(DEVICE)).sum()).backward()
+
+    tol = TOL[dtype]
+    assert y.dtype == dtype and final.dtype == torch.float32
+    assert_close_scaled(y.cpu(), y_ref.detach(), tol, "y")
+    assert_close_scaled(final.cpu(), final_ref.detach(), TOL[torch.float32], "final_state")
+    du, dz = xz.grad.chunk(2, dim=-1)
+    assert_close_scaled(du.cpu(), ref_inputs["u"].grad, tol, "du")
+    assert_close_scaled(dz.cpu(), ref_inputs["z"].grad, tol, "dz")
+    for name, leaf in leaves.items():
+        assert leaf.grad.dtype == leaf.dtype, name
+        assert_close_scaled(leaf.grad.cpu(), ref_inputs[name].grad, tol, f"d{name}")
+
+
+def test_training_rejects_bad_shapes(scan):
+    inputs = {k: v.float() for k, v in random_training_inputs(1, 5, 8, 4, torch.float32).items()}
+    with pytest.raises(ValueError, match="B"):
+        scan.selective_scan_fn(**{**inputs, "B": inputs["B"][:, :, :3]})
+    with pytest.raises(ValueError, match="initial_state"):
+        scan.selective_scan_fn(**{**inputs, "initial_state": inputs["initial_state"][:, :4]})
+    with pytest.raises(ValueError, match="chunk"):
+        scan.selective_scan_fn(**inputs, chunk=12)
+
+
+VARLEN_CASES = [  # sequence lengths, cache dtype, chunk (None: one chunk per sequence), has_initial_state given
+    ([5, 1, 13, 7], torch.float32, None, True),
+    ([5, 1, 13, 7], torch.bfloat16, None, True),
+    ([9, 1, 23], torch.float32, 8, True),
+    ([17, 3, 1, 8], torch.bfloat16, 4, True),
+    ([6, 11], torch.float32, 4, False),
+]
+
+
+@pytest.mark.parametrize(
+    "lengths,cache_dtype,chunk,with_flags",
+    VARLEN_CASES,
+    ids=[
+        f"L{'-'.join(map(str, c[0]))}-cache_{str(c[1])[6:]}-chunk{c[2]}-{'flags' if c[3] else 'no_flags'}"
+        for c in VARLEN_CASES
+    ],
+)
+def test_varlen_prefill_matches_reference(scan, lengths, cache_dtype, chunk, with_flags):
+    channels, state, num_slots = 24, 8, 9
+    g = torch.Generator().manual_seed(2)
+    total = sum(lengths)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+    xz = rand(total, 2 * channels).to(torch.bfloat16)
+    u, z = xz.chunk(2, dim=-1)  # strided views, like the in_proj output
+    dt = rand(total, channels) - 1.0  # raw dt_proj output: softplus(dt + dt_bias) happens in the kernel
+    dt[0, :3] = torch.tensor([30.0, -30.0, 19.5])  # softplus's pass-through and underflow regions
+    dt_bias = rand(channels, scale=0.5)
+    A = -torch.exp(rand(channels, state, scale=0.5))
+    B, C = rand(total, state).to(torch.bfloat16), rand(total, state).to(torch.bfloat16)
+    D = rand(channels)
+    # A padding sequence (-1) is appended; slots are permuted and the cache is a strided view of a bigger tensor.
+    lengths = lengths + [2]
+    seqs = len(lengths)
+    xz = torch.cat([xz, rand(2, 2 * channels).to(torch.bfloat16)])
+    u, z = xz.chunk(2, dim=-1)
+    dt = torch.cat([dt, rand(2, channels)])
+    B, C = torch.cat([B, B[:2]]), torch.cat([C, C[:2]])
+    cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    slots = torch.randperm(num_slots, generator=g)[: seqs - 1].tolist() + [-1]
+    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    # Mixed flags; None means no sequence continues from its slot.
+    has_initial_state = torch.tensor([i % 2 == 0 for i in range(seqs)], device=DEVICE) if with_flags else None
+    big_cache = rand(num_slots, 2, channels, state).to(cache_dtype)
+    cache = big_cache[:, 1]  # [num_slots, E, N], slot stride 2 * E * N
+    cache_ref = cache.clone()
+
+    out = torch.full((u.shape[0], channels), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned
+    out_ref = torch.empty_like(out)
+    args = (u, dt, A, B, C, D, z, dt_bias, cu_seqlens)
+    other_half = big_cache[:, 0].clone()
+    result = scan.selective_scan_varlen_fwd(
+        *args, cache, state_indices, has_initial_state, out, chunk=chunk, block_e=16
+    )
+    selective_scan_varlen_ref(*args, cache_ref, state_indices, has_initial_state, out_ref)
+
+    assert result is out
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=3e-2, rtol=3e-2)
+    assert (out[cu_seqlens[-2] :] == 0).all(), "padding tokens get zeros"
+    used = [s for s in slots if s >= 0]
+    untouched = [s for s in range(num_slots) if s not in used]
+    assert torch.equal(cache[untouched], cache_ref[untouched]), "slots of no sequence must not change"
+    assert torch.equal(big_cache[:, 0], other_half), "the cache view must not write outside itself"
+    state_tol = 1e-4 if cache_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(cache[used].float(), cache_ref[used].float(), atol=state_tol, rtol=state_tol)
+
+
+def test_varlen_rejects_bad_shapes(scan):
+    channels, state = 8, 4
+    u = torch.randn(6, channels)
+    args = {
+        "u": u,
+        "dt": u.clone(),
+        "A": -torch.ones(channels, state),
+        "B": torch.randn(6, state),
+        "C": torch.randn(6, state),
+        "D": torch.ones(channels),
+        "z": u.clone(),
+        "dt_bias": torch.zeros(channels),
+        "cu_seqlens": torch.tensor([0, 6], dtype=torch.int32),
+        "ssm_state": torch.zeros(2, channels, state),
+        "state_indices": torch.tensor([0], dtype=torch.int32),
+        "has_initial_state": torch.tensor([True]),
+        "out": torch.empty(6, channels),
+    }
+    with pytest.raises(ValueError, match="ssm_state"):
+        scan.selective_scan_varlen_fwd(**{**args, "ssm_state": torch.zeros(2, channels, state + 1)})
+    with pytest.raises(ValueError, match="out"):
+        scan.selective_scan_varlen_fwd(**{**args, "out": torch.empty(5, channels)})

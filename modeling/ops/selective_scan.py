@@ -59,3 +59,53 @@ def selective_scan_ref(
         y = u_f.new_zeros(batch_size, 0, num_channels)
     y = (y + D.float() * u_f) * F.silu(z.float())
     return y.to(u.dtype), state
+
+
+def selective_scan_varlen_ref(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Serving prefill over packed sequences, continuing each from its state-cache slot; reference of
+    `selective_scan_varlen_fwd` (selective_scan_triton.py), same signature.
+
+    Args:
+        u, z: [T_total, E] packed tokens of all sequences.
+        dt: [T_total, E] RAW dt_proj output without its bias: the step is `softplus(dt + dt_bias)` in fp32.
+        A: [E, N]; B, C: [T_total, N]; D, dt_bias: [E].
+        cu_seqlens: [S + 1] int32, sequence i is tokens `cu_seqlens[i]:cu_seqlens[i + 1]`.
+        ssm_state: [num_slots, E, N] state cache, updated in place (each sequence's final state, in its dtype).
+        state_indices: [S] int32 slot of each sequence; -1 marks a padding sequence, which is skipped (its tokens
+            get zeros in `out`, no slot is read or written).
+        has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
+        out: [T_total, E] written with `y * silu(z)`.
+
+    Returns:
+        `out`.
+    """
+    step = F.softplus(dt.float() + dt_bias.float())  # [T_total, E]
+    starts = cu_seqlens.tolist()
+    slots = state_indices.tolist()
+    continues_from_slot = has_initial_state.tolist() if has_initial_state is not None else [False] * len(slots)
+    for i, (slot, continues) in enumerate(zip(slots, continues_from_slot)):
+        tokens = slice(starts[i], starts[i + 1])
+        if slot < 0:
+            out[tokens] = 0
+            continue
+        initial = ssm_state[slot][None].float() if continues else None
+        y, state = selective_scan_ref(
+            u[None, tokens], step[None, tokens], A, B[None, tokens], C[None, tokens], D, z[None, tokens], initial
+        )
+        out[tokens] = y[0].to(out.dtype)
+        ssm_state[slot] = state[0].to(ssm_state.dtype)
+    return out

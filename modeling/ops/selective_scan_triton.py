@@ -1,13 +1,75 @@
-"""Triton forward of the Mamba-1 selective scan; `selective_scan_ref` (selective_scan.py) is its reference and has the
-same signature. First piece of the Triton issue: forward only, not yet wired into the model (no backward yet).
+"""Triton kernels of the Mamba-1 selective scan. References (selective_scan.py, same signatures):
+`selective_scan_fn` <-> `selective_scan_ref` (training, forward + backward) and
+`selective_scan_varlen_fwd` <-> `selective_scan_varlen_ref` (serving prefill over packed sequences with a state cache).
 
-Each program owns one sequence and a block of BLOCK_E channels, keeps their [BLOCK_E, N] state in fp32 registers
-and walks the sequence once: u, dt, z, B, C are read once and y written once, so the kernel moves the minimum bytes.
+Recurrence per channel e, state index n, step t (all in fp32):
+    h_t = a_t * h_{t-1} + b_t,   a_t = exp(dt_t * A),   b_t = dt_t * u_t * B_t
+    y_t = (sum_n h_t * C_t + D * u_t) * silu(z_t)
+
+Parallel over (sequence, block of BLOCK_E channels, chunk of CHUNK steps). A is constant over time, so a chunk's
+total decay is exactly exp(A * sum(dt over the chunk)), and the forward runs in three launches:
+    stage 0  each chunk's end state from a zero start, and its sum of dt               (all chunks in parallel)
+    combine  walk the chunks of a sequence in order: true start state of every chunk   (sequential over chunks only)
+    stage 1  rerun every chunk from its true start, writing y (and the final state)    (all chunks in parallel)
+When (sequence, channel block) programs alone fill the GPU, one chunk spans the whole sequence and stage 1 alone runs.
+The backward mirrors it in reverse time with the adjoint P_t = dL/dh_{t-1} = a_t * (dy'_t C_t + P_{t+1}): stage 0
+gives each chunk's adjoint carry from a zero right edge, the same combine kernel (reversed) turns them into each
+chunk's true right-edge adjoint, and stage 1 walks each chunk backwards. Stage 1 needs h_{t-1} at every step in
+reverse order: it recomputes them (never h_{t-1} = (h_t - b_t) / a_t, which is unstable) with two-level
+checkpointing in a per-program global scratch: the state at every SEG-th step of the chunk, then, one segment at a
+time from the last, the SEG states of that segment. A program rewrites the same small scratch region for every
+segment, so it stays in L2. The final state's gradient seeds the adjoint at the right edge.
+
+Every per-step loop prefetches: step t +- 1's loads are issued before step t's arithmetic and stores (the compiler
+may not move loads across stores to possibly aliasing pointers), so a program has two steps of loads in flight;
+many small programs per SM (2 warps forward) hide the rest of the latency.
+
+dB and dC reduce over channels, which live in different programs: each program writes its partial sum over its
+BLOCK_E channels to a [E / BLOCK_E, B, T, N] fp32 buffer summed in torch afterwards: deterministic, unlike atomics,
+at the cost of E * N / BLOCK_E fp32 values per token each (at N = BLOCK_E = 16, one fp32 [B, T, E] tensor's worth;
+a larger block_e shrinks it). dA and dD (sums over batch and time) are written per (sequence, chunk) program and
+summed likewise.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _softplus(x):
+    # Large inputs pass through: exp would overflow and softplus(x) == x to fp32 precision there.
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
+def _load_row(p, row, s_row, o, m):
+    """One token's row (offsets `o` within it) as fp32; masked elements read 0."""
+    return tl.load(p + row * s_row + o, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN: tl.constexpr):
+    """(first row of sequence i_s in the packed token dimension, its length)."""
+    if IS_VARLEN:
+        bos = tl.load(p_cu_seqlens + i_s).to(tl.int64)
+        seq_len = (tl.load(p_cu_seqlens + i_s + 1).to(tl.int64) - bos).to(tl.int32)
+    else:
+        bos = tl.full([], 0, tl.int64)
+        seq_len = T
+    return bos, seq_len
+
+
+@triton.jit
+def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
+    """The state row of sequence i_s: its cache slot (negative for padding) or its batch index."""
+    if USE_STATE_INDICES:
+        slot = tl.load(p_state_indices + i_s).to(tl.int64)
+    else:
+        slot = tl.full([], 0, tl.int64) + i_s
+    return slot
 
 
 @triton.jit
@@ -19,53 +81,804 @@ def _selective_scan_fwd_kernel(
     p_C,
     p_D,
     p_z,
-    p_state_in,
+    p_dt_bias,
     p_y,
-    p_state_out,
+    p_h0,
+    p_hT,
+    p_state_indices,
+    p_has_h0,
+    p_cu_seqlens,
+    p_chunk_h,
+    p_chunk_dtsum,
     T,
     E,
     N,
+    num_chunks,
     s_u_b,
     s_u_t,
-    s_bc_b,
-    s_bc_t,
-    s_state_b,
-    HAS_INITIAL_STATE: tl.constexpr,
+    s_dt_b,
+    s_dt_t,
+    s_z_b,
+    s_z_t,
+    s_B_b,
+    s_B_t,
+    s_C_b,
+    s_C_t,
+    s_y_b,
+    s_y_t,
+    s_h0_s,
+    s_h0_e,
+    s_h0_n,
+    s_hT_s,
+    s_hT_e,
+    s_hT_n,
+    STAGE: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    i_b, i_e = tl.program_id(0), tl.program_id(1)
+    """One (sequence, channel block, chunk). STAGE 0: the chunk's end state from a zero start and its sum of dt,
+    into the chunk buffers [S, num_chunks, E, N] / [S, num_chunks, E]. STAGE 1: y for the chunk from its true start
+    state (the chunk buffer after the combine when CHUNKED, else the sequence's initial state), and the final state
+    when not CHUNKED (the combine writes it otherwise)."""
+    i_s, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
+    t_start = i_c * CHUNK
+    if t_start >= seq_len:
+        return
+    t_end = tl.minimum(t_start + CHUNK, seq_len)
+    slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
+    is_real = slot >= 0  # padding sequences (slot -1) get zeros and touch no state
+
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     o_n = tl.arange(0, BLOCK_N)
     m_e, m_n = o_e < E, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-
     b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
     b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
-    o_state = i_b * s_state_b + o_e[:, None] * N + o_n[None, :]
-    if HAS_INITIAL_STATE:
-        b_state = tl.load(p_state_in + o_state, mask=m_en, other=0.0).to(tl.float32)
+    if DT_SOFTPLUS:
+        b_dt_bias = tl.load(p_dt_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
+    o_chunk = (i_s * num_chunks + i_c).to(tl.int64)
+    o_chunk_h = o_chunk * E * N + o_e[:, None] * N + o_n[None, :]
+
+    if STAGE == 1 and CHUNKED:
+        b_h = tl.load(p_chunk_h + o_chunk_h, mask=m_en, other=0.0)
+    elif STAGE == 1 and HAS_H0:
+        m_h0 = m_en & is_real
+        if USE_STATE_INDICES:
+            m_h0 = m_h0 & (tl.load(p_has_h0 + i_s) != 0)
+        p_h0_blk = p_h0 + slot * s_h0_s + o_e[:, None] * s_h0_e + o_n[None, :] * s_h0_n
+        b_h = tl.load(p_h0_blk, mask=m_h0, other=0.0).to(tl.float32)
     else:
-        b_state = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+        b_h = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+    b_dtsum = tl.zeros([BLOCK_E], dtype=tl.float32)
 
-    for t in range(T):
-        o_tok = i_b * s_u_b + t * s_u_t + o_e
-        b_u = tl.load(p_u + o_tok, mask=m_e, other=0.0).to(tl.float32)
-        b_dt = tl.load(p_dt + o_tok, mask=m_e, other=0.0).to(tl.float32)
-        b_z = tl.load(p_z + o_tok, mask=m_e, other=0.0).to(tl.float32)
-        o_bc = i_b * s_bc_b + t * s_bc_t + o_n
-        b_Bt = tl.load(p_B + o_bc, mask=m_n, other=0.0).to(tl.float32)
-        b_Ct = tl.load(p_C + o_bc, mask=m_n, other=0.0).to(tl.float32)
+    i_s = i_s.to(tl.int64)
+    p_u += i_s * s_u_b
+    p_dt += i_s * s_dt_b
+    p_z += i_s * s_z_b
+    p_B += i_s * s_B_b
+    p_C += i_s * s_C_b
+    p_y += i_s * s_y_b
+    # Prefetch (module docstring): step t + 1's loads are issued before step t's arithmetic and store of y.
+    row = bos + t_start
+    b_u = _load_row(p_u, row, s_u_t, o_e, m_e)
+    b_dt = _load_row(p_dt, row, s_dt_t, o_e, m_e)
+    b_Bt = _load_row(p_B, row, s_B_t, o_n, m_n)
+    if STAGE == 1:
+        b_z = _load_row(p_z, row, s_z_t, o_e, m_e)
+        b_Ct = _load_row(p_C, row, s_C_t, o_n, m_n)
+    for t in tl.range(t_start, t_end, loop_unroll_factor=UNROLL):
+        row = bos + t
+        has_next = t + 1 < t_end
+        b_u_next = _load_row(p_u, row + 1, s_u_t, o_e, m_e & has_next)
+        b_dt_next = _load_row(p_dt, row + 1, s_dt_t, o_e, m_e & has_next)
+        b_Bt_next = _load_row(p_B, row + 1, s_B_t, o_n, m_n & has_next)
+        if STAGE == 1:
+            b_z_next = _load_row(p_z, row + 1, s_z_t, o_e, m_e & has_next)
+            b_Ct_next = _load_row(p_C, row + 1, s_C_t, o_n, m_n & has_next)
 
-        b_state = tl.exp(b_dt[:, None] * b_A) * b_state + (b_dt * b_u)[:, None] * b_Bt[None, :]
-        b_y = tl.sum(b_state * b_Ct[None, :], axis=1) + b_D * b_u
-        b_y = b_y * b_z * tl.sigmoid(b_z)
-        tl.store(p_y + o_tok, b_y.to(p_y.dtype.element_ty), mask=m_e)
+        if DT_SOFTPLUS:
+            b_dt = _softplus(b_dt + b_dt_bias)
+        b_h = tl.exp(b_dt[:, None] * b_A) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        if STAGE == 0:
+            b_dtsum += b_dt
+        else:
+            b_y = (tl.sum(b_h * b_Ct[None, :], axis=1) + b_D * b_u) * b_z * tl.sigmoid(b_z)
+            b_y = tl.where(is_real, b_y, 0.0)
+            tl.store(p_y + row * s_y_t + o_e, b_y.to(p_y.dtype.element_ty), mask=m_e)
+            b_z, b_Ct = b_z_next, b_Ct_next
+        b_u, b_dt, b_Bt = b_u_next, b_dt_next, b_Bt_next
 
-    tl.store(p_state_out + o_state, b_state, mask=m_en)
+    if STAGE == 0:
+        tl.store(p_chunk_h + o_chunk_h, b_h, mask=m_en)
+        tl.store(p_chunk_dtsum + o_chunk * E + o_e, b_dtsum, mask=m_e)
+    elif not CHUNKED:
+        p_hT_blk = p_hT + slot * s_hT_s + o_e[:, None] * s_hT_e + o_n[None, :] * s_hT_n
+        tl.store(p_hT_blk, b_h.to(p_hT.dtype.element_ty), mask=m_en & is_real)
 
 
-def selective_scan_fwd_triton(
+@triton.jit
+def _selective_scan_chunk_combine_kernel(
+    p_A,
+    p_chunk_h,
+    p_chunk_dtsum,
+    p_first,
+    p_last,
+    p_state_indices,
+    p_has_first,
+    p_cu_seqlens,
+    T,
+    E,
+    N,
+    num_chunks,
+    s_first_s,
+    s_first_e,
+    s_first_n,
+    s_last_s,
+    s_last_e,
+    s_last_n,
+    REVERSE: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
+    STORE_LAST: tl.constexpr,
+    USE_STATE_INDICES: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One (sequence, channel block): walks its chunks in order (REVERSE: last to first) replacing each chunk's
+    zero-start carry in `p_chunk_h` [S, num_chunks, E, N] by the true carry entering it:
+        carry_in(next) = exp(A * dtsum(chunk)) * carry_in(chunk) + zero_start_carry(chunk),
+    starting from `p_first` (initial state, or the final state's gradient) and storing what leaves the last chunk
+    into `p_last` (final state, or the initial state's gradient). The same recurrence serves forward and backward
+    because a chunk's decay is the same both ways."""
+    i_s, i_e = tl.program_id(0), tl.program_id(1)
+    _, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
+    chunks_in_seq = tl.cdiv(seq_len, CHUNK)
+    slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
+    is_real = slot >= 0
+
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    o_n = tl.arange(0, BLOCK_N)
+    m_e, m_n = o_e < E, o_n < N
+    m_en = m_e[:, None] & m_n[None, :]
+    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    if HAS_FIRST:
+        m_first = m_en & is_real
+        if USE_STATE_INDICES:
+            m_first = m_first & (tl.load(p_has_first + i_s) != 0)
+        p_first_blk = p_first + slot * s_first_s + o_e[:, None] * s_first_e + o_n[None, :] * s_first_n
+        b_carry = tl.load(p_first_blk, mask=m_first, other=0.0).to(tl.float32)
+    else:
+        b_carry = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+
+    # Chunk blocks of this sequence; the next chunk's loads are issued before this chunk's update (prefetch).
+    o_blk = o_e[:, None] * N + o_n[None, :]
+    p_chunk_h += (i_s * num_chunks).to(tl.int64) * E * N
+    p_chunk_dtsum += (i_s * num_chunks).to(tl.int64) * E
+    if REVERSE:
+        i_c = (chunks_in_seq - 1).to(tl.int64)
+        step = -1
+    else:
+        i_c = tl.full([], 0, tl.int64)
+        step = 1
+    m_any = chunks_in_seq > 0
+    b_local = tl.load(p_chunk_h + i_c * E * N + o_blk, mask=m_en & m_any, other=0.0)
+    b_dtsum = tl.load(p_chunk_dtsum + i_c * E + o_e, mask=m_e & m_any, other=0.0)
+    for i in range(chunks_in_seq):
+        i_next = i_c + step
+        has_next = i + 1 < chunks_in_seq
+        b_local_next = tl.load(p_chunk_h + i_next * E * N + o_blk, mask=m_en & has_next, other=0.0)
+        b_dtsum_next = tl.load(p_chunk_dtsum + i_next * E + o_e, mask=m_e & has_next, other=0.0)
+        tl.store(p_chunk_h + i_c * E * N + o_blk, b_carry, mask=m_en)
+        b_carry = tl.exp(b_dtsum[:, None] * b_A) * b_carry + b_local
+        b_local, b_dtsum, i_c = b_local_next, b_dtsum_next, i_next
+
+    if STORE_LAST:
+        p_last_blk = p_last + slot * s_last_s + o_e[:, None] * s_last_e + o_n[None, :] * s_last_n
+        tl.store(p_last_blk, b_carry.to(p_last.dtype.element_ty), mask=m_en & is_real)
+
+
+@triton.jit
+def _recompute_states(
+    b_h,
+    b_A,
+    p_u,
+    p_dt,
+    p_B,
+    s_u_t,
+    s_dt_t,
+    s_B_t,
+    o_e,
+    o_n,
+    m_e,
+    m_n,
+    t_lo,
+    t_hi,
+    p_seg,
+    o_blk,
+    STORE: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """Walks the state forward over steps [t_lo, t_hi) (loads prefetched one step ahead) and returns it; STORE:
+    also writes each step's incoming state h_{t-1} to `p_seg + (t - t_lo) * block + o_blk`."""
+    b_u = _load_row(p_u, t_lo, s_u_t, o_e, m_e)
+    b_dt = _load_row(p_dt, t_lo, s_dt_t, o_e, m_e)
+    b_Bt = _load_row(p_B, t_lo, s_B_t, o_n, m_n)
+    for t in tl.range(t_lo, t_hi, loop_unroll_factor=UNROLL):
+        has_next = t + 1 < t_hi
+        b_u_next = _load_row(p_u, t + 1, s_u_t, o_e, m_e & has_next)
+        b_dt_next = _load_row(p_dt, t + 1, s_dt_t, o_e, m_e & has_next)
+        b_Bt_next = _load_row(p_B, t + 1, s_B_t, o_n, m_n & has_next)
+        if STORE:
+            tl.store(p_seg + (t - t_lo) * b_h.numel + o_blk, b_h)
+        b_h = tl.exp(b_dt[:, None] * b_A) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        b_u, b_dt, b_Bt = b_u_next, b_dt_next, b_Bt_next
+    return b_h
+
+
+@triton.jit
+def _selective_scan_bwd_kernel(
+    p_u,
+    p_dt,
+    p_A,
+    p_B,
+    p_C,
+    p_D,
+    p_z,
+    p_dy,
+    p_h0,
+    p_dhT,
+    p_dh0,
+    p_chunk_h,
+    p_chunk_dh,
+    p_scratch,
+    p_du,
+    p_ddt,
+    p_dz,
+    p_dB_part,
+    p_dC_part,
+    p_dA_part,
+    p_dD_part,
+    T,
+    E,
+    N,
+    num_chunks,
+    s_u_b,
+    s_u_t,
+    s_dt_b,
+    s_dt_t,
+    s_z_b,
+    s_z_t,
+    s_B_b,
+    s_B_t,
+    s_C_b,
+    s_C_t,
+    s_dy_b,
+    s_dy_t,
+    STAGE: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    HAS_H0: tl.constexpr,
+    HAS_DHT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SEG: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    """One (batch row, channel block, chunk) of the backward, walking the chunk in reverse with the adjoint
+    P_t = dL/dh_{t-1} = a_t * G_t, G_t = dL/dh_t = dy'_t C_t + P_{t+1} (dy' = dy * silu(z)).
+    STAGE 0: the P leaving the chunk at its start from a zero right edge, into `p_chunk_dh` [B, num_chunks, E, N].
+    STAGE 1: all gradients; the right-edge adjoint is `p_chunk_dh` after the combine when CHUNKED, else dL/dh_T.
+    Gradient buffers are contiguous: du, ddt, dz [B, T, E]; dB/dC partials [E / BLOCK_E, B, T, N]; dA partials
+    [B, num_chunks, E, N]; dD partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED)."""
+    i_b, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t_start = i_c * CHUNK
+    t_end = tl.minimum(t_start + CHUNK, T)
+
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    o_n = tl.arange(0, BLOCK_N)
+    m_e, m_n = o_e < E, o_n < N
+    m_en = m_e[:, None] & m_n[None, :]
+    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
+    o_chunk = (i_b * num_chunks + i_c).to(tl.int64)
+    o_chunk_h = o_chunk * E * N + o_e[:, None] * N + o_n[None, :]
+    o_state = i_b.to(tl.int64) * E * N + o_e[:, None] * N + o_n[None, :]
+
+    i_b = i_b.to(tl.int64)
+    p_u += i_b * s_u_b
+    p_dt += i_b * s_dt_b
+    p_z += i_b * s_z_b
+    p_B += i_b * s_B_b
+    p_C += i_b * s_C_b
+    p_dy += i_b * s_dy_b
+
+    if STAGE == 0:
+        b_P = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+        t = t_end - 1
+        b_dt = _load_row(p_dt, t, s_dt_t, o_e, m_e)
+        b_z = _load_row(p_z, t, s_z_t, o_e, m_e)
+        b_dy = _load_row(p_dy, t, s_dy_t, o_e, m_e)
+        b_Ct = _load_row(p_C, t, s_C_t, o_n, m_n)
+        for i in tl.range(t_end - t_start, loop_unroll_factor=UNROLL):
+            t = t_end - 1 - i
+            has_next = t > t_start  # prefetch step t - 1, as in the forward
+            b_dt_next = _load_row(p_dt, t - 1, s_dt_t, o_e, m_e & has_next)
+            b_z_next = _load_row(p_z, t - 1, s_z_t, o_e, m_e & has_next)
+            b_dy_next = _load_row(p_dy, t - 1, s_dy_t, o_e, m_e & has_next)
+            b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
+            b_G = (b_dy * b_z * tl.sigmoid(b_z))[:, None] * b_Ct[None, :] + b_P
+            b_P = tl.exp(b_dt[:, None] * b_A) * b_G
+            b_dt, b_z, b_dy, b_Ct = b_dt_next, b_z_next, b_dy_next, b_Ct_next
+        tl.store(p_chunk_dh + o_chunk_h, b_P, mask=m_en)
+    else:
+        # Per-program scratch: NUM_SEG checkpoints, then the SEG states h_{t-1} of the segment being walked. Every
+        # element is written and read back by the same thread (same block shape and layout); the barriers order
+        # the phases anyway.
+        NUM_SEG: tl.constexpr = CHUNK // SEG
+        i_prog = ((i_b * tl.num_programs(1) + i_e) * tl.num_programs(2) + i_c).to(tl.int64)
+        p_scratch += i_prog * (NUM_SEG + SEG) * BLOCK_E * BLOCK_N
+        o_blk = tl.arange(0, BLOCK_E)[:, None] * BLOCK_N + o_n[None, :]
+
+        if CHUNKED:
+            b_h = tl.load(p_chunk_h + o_chunk_h, mask=m_en, other=0.0)
+        elif HAS_H0:
+            b_h = tl.load(p_h0 + o_state, mask=m_en, other=0.0)
+        else:
+            b_h = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+        segs_in_chunk = tl.cdiv(t_end - t_start, SEG)
+        for j in range(segs_in_chunk):
+            tl.store(p_scratch + j * BLOCK_E * BLOCK_N + o_blk, b_h)
+            seg_start = t_start + j * SEG
+            b_h = _recompute_states(
+                b_h,
+                b_A,
+                p_u,
+                p_dt,
+                p_B,
+                s_u_t,
+                s_dt_t,
+                s_B_t,
+                o_e,
+                o_n,
+                m_e,
+                m_n,
+                seg_start,
+                tl.minimum(seg_start + SEG, t_end),
+                p_scratch,
+                o_blk,
+                STORE=False,
+                UNROLL=UNROLL,
+            )
+
+        if CHUNKED:
+            b_P = tl.load(p_chunk_dh + o_chunk_h, mask=m_en, other=0.0)
+        elif HAS_DHT:
+            b_P = tl.load(p_dhT + o_state, mask=m_en, other=0.0)
+        else:
+            b_P = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+        b_dA = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+        b_dD = tl.zeros([BLOCK_E], dtype=tl.float32)
+        p_seg = p_scratch + NUM_SEG * BLOCK_E * BLOCK_N
+        for jj in range(segs_in_chunk):
+            j = segs_in_chunk - 1 - jj
+            seg_start = t_start + j * SEG
+            seg_end = tl.minimum(seg_start + SEG, t_end)
+            tl.debug_barrier()
+            b_h = tl.load(p_scratch + j * BLOCK_E * BLOCK_N + o_blk)
+            _recompute_states(
+                b_h,
+                b_A,
+                p_u,
+                p_dt,
+                p_B,
+                s_u_t,
+                s_dt_t,
+                s_B_t,
+                o_e,
+                o_n,
+                m_e,
+                m_n,
+                seg_start,
+                seg_end,
+                p_seg,
+                o_blk,
+                STORE=True,
+                UNROLL=UNROLL,
+            )
+            tl.debug_barrier()
+            t = seg_end - 1
+            b_h_prev = tl.load(p_seg + (t - seg_start) * BLOCK_E * BLOCK_N + o_blk)
+            b_u = _load_row(p_u, t, s_u_t, o_e, m_e)
+            b_dt = _load_row(p_dt, t, s_dt_t, o_e, m_e)
+            b_z = _load_row(p_z, t, s_z_t, o_e, m_e)
+            b_dy = _load_row(p_dy, t, s_dy_t, o_e, m_e)
+            b_Bt = _load_row(p_B, t, s_B_t, o_n, m_n)
+            b_Ct = _load_row(p_C, t, s_C_t, o_n, m_n)
+            for i in tl.range(seg_end - seg_start, loop_unroll_factor=UNROLL):
+                t = seg_end - 1 - i
+                has_next = t > seg_start  # prefetch step t - 1
+                b_h_prev_next = tl.load(
+                    p_seg + (t - 1 - seg_start) * BLOCK_E * BLOCK_N + o_blk, mask=(o_blk >= 0) & has_next, other=0.0
+                )
+                b_u_next = _load_row(p_u, t - 1, s_u_t, o_e, m_e & has_next)
+                b_dt_next = _load_row(p_dt, t - 1, s_dt_t, o_e, m_e & has_next)
+                b_z_next = _load_row(p_z, t - 1, s_z_t, o_e, m_e & has_next)
+                b_dy_next = _load_row(p_dy, t - 1, s_dy_t, o_e, m_e & has_next)
+                b_Bt_next = _load_row(p_B, t - 1, s_B_t, o_n, m_n & has_next)
+                b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
+
+                b_a = tl.exp(b_dt[:, None] * b_A)
+                b_ah = b_a * b_h_prev  # [BLOCK_E, BLOCK_N]
+                b_h = b_ah + (b_dt * b_u)[:, None] * b_Bt[None, :]
+                b_sig = tl.sigmoid(b_z)
+                b_pre = tl.sum(b_h * b_Ct[None, :], axis=1) + b_D * b_u  # y before the gate
+                b_dpre = b_dy * b_z * b_sig  # dy' = dL/d(pre-gate y)
+                b_dz = b_dy * b_pre * b_sig * (1.0 + b_z * (1.0 - b_sig))
+                b_G = b_dpre[:, None] * b_Ct[None, :] + b_P  # dL/dh_t
+                b_GB = tl.sum(b_G * b_Bt[None, :], axis=1)
+                b_GahA = tl.sum(b_G * b_ah * b_A, axis=1)
+                b_du = b_dt * b_GB + b_dpre * b_D
+                b_ddt = b_u * b_GB + b_GahA
+                b_dBt = tl.sum(b_G * (b_dt * b_u)[:, None], axis=0)
+                b_dCt = tl.sum(b_h * b_dpre[:, None], axis=0)
+                b_dA += b_G * b_ah * b_dt[:, None]
+                b_dD += b_dpre * b_u
+                b_P = b_a * b_G
+
+                o_tok = (i_b * T + t).to(tl.int64) * E + o_e
+                tl.store(p_du + o_tok, b_du.to(p_du.dtype.element_ty), mask=m_e)
+                tl.store(p_ddt + o_tok, b_ddt.to(p_ddt.dtype.element_ty), mask=m_e)
+                tl.store(p_dz + o_tok, b_dz.to(p_dz.dtype.element_ty), mask=m_e)
+                o_part = ((i_e * tl.num_programs(0) + i_b) * T + t).to(tl.int64) * N + o_n
+                tl.store(p_dB_part + o_part, b_dBt, mask=m_n)
+                tl.store(p_dC_part + o_part, b_dCt, mask=m_n)
+                b_h_prev, b_u, b_dt, b_z, b_dy = b_h_prev_next, b_u_next, b_dt_next, b_z_next, b_dy_next
+                b_Bt, b_Ct = b_Bt_next, b_Ct_next
+
+        tl.store(p_dA_part + o_chunk_h, b_dA, mask=m_en)
+        tl.store(p_dD_part + o_chunk * E + o_e, b_dD, mask=m_e)
+        if not CHUNKED and HAS_H0:
+            tl.store(p_dh0 + o_state, b_P, mask=m_en)
+
+
+class ScanBlocks(NamedTuple):
+    """Launch shape, exposed so benchmarks can sweep it. block_e: channels per program; chunk: steps per time chunk
+    (a power of two; chunk >= the longest sequence runs one chunk per sequence: forward stage 1 alone, no combine);
+    seg: steps per backward recompute segment (divides chunk); unroll: unroll factor of the per-step loops (on top
+    of the one-step load prefetch); num_warps / bwd_num_warps: warps per forward / backward program."""
+
+    block_e: int
+    chunk: int
+    seg: int
+    unroll: int
+    num_warps: int
+    bwd_num_warps: int
+
+
+def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
+    """Defaults from the shapes, any keyword given (not None) taking precedence. 16 channels per program: a
+    [16, N] fp32 state block; 2 warps forward (~60 registers a thread at N = 16: many programs per SM, hiding each
+    other's load latency), 4 backward (its step holds ~4x more live values). Chunks only as short as needed for
+    ~4096 programs (~30 per H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element)."""
+    block_e = overrides.get("block_e") or 16
+    programs = num_seqs * triton.cdiv(num_channels, block_e)
+    chunk = overrides.get("chunk") or max(64, triton.next_power_of_2(triton.cdiv(max_seq_len * programs, 4096)))
+    block_size = block_e * triton.next_power_of_2(state_size)
+    blocks = ScanBlocks(
+        block_e=block_e,
+        chunk=chunk,
+        seg=min(overrides.get("seg") or 16, chunk),
+        unroll=overrides.get("unroll") or 1,
+        num_warps=overrides.get("num_warps") or max(1, min(8, block_size // 128)),
+        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, block_size // 64)),
+    )
+    if (
+        blocks.chunk % blocks.seg
+        or triton.next_power_of_2(chunk) != chunk
+        or triton.next_power_of_2(block_e) != block_e
+    ):
+        raise ValueError(f"{blocks}: chunk and block_e must be powers of two and seg must divide chunk")
+    return blocks
+
+
+def _check_token_tensor(name: str, x: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {x.dtype}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {x.stride()}")
+
+
+def _batch_strides(x: torch.Tensor) -> tuple[int, int]:
+    """(sequence stride, token stride) of a [B, T, X] tensor, or (0, token stride) of a packed [T_total, X] one."""
+    return (x.stride(0), x.stride(1)) if x.dim() == 3 else (0, x.stride(0))
+
+
+def _scan_forward(
+    u,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    y,
+    initial_state,
+    final_state,
+    blocks: ScanBlocks,
+    *,
+    num_seqs,
+    seq_len,
+    max_seq_len,
+    cu_seqlens=None,
+    state_indices=None,
+    has_initial_state=None,
+    dt_bias=None,
+):
+    """Forward launcher shared by training and serving. u, dt, z, y: [B, T, E] or packed [T_total, E] (then
+    `cu_seqlens` [S + 1] delimits the sequences); B, C likewise with N; initial_state / final_state: [rows, E, N]
+    any strides, indexed by `state_indices` [S] (negative = padding sequence) or by batch row, and the same tensor
+    when the cache is updated in place; `has_initial_state` [S] bool masks the initial-state read per sequence.
+    Returns the chunk start states [S, num_chunks, E, N] fp32 (None when one chunk covers every sequence) and the
+    chunks' sums of dt [S, num_chunks, E], which the backward reuses."""
+    num_channels, state_size = A.shape
+    num_chunks = triton.cdiv(max_seq_len, blocks.chunk)
+    chunked = num_chunks > 1
+    dummy = y  # stands in for absent optional pointers; the constexpr flags keep it untouched
+    h0 = initial_state if initial_state is not None else final_state
+    optional = {
+        "p_state_indices": state_indices if state_indices is not None else dummy,
+        "p_cu_seqlens": cu_seqlens if cu_seqlens is not None else dummy,
+    }
+    meta = {
+        "USE_STATE_INDICES": state_indices is not None,
+        "IS_VARLEN": cu_seqlens is not None,
+        "CHUNK": blocks.chunk,
+        "BLOCK_E": blocks.block_e,
+        "BLOCK_N": triton.next_power_of_2(state_size),
+        "num_warps": blocks.num_warps,
+    }
+    chunk_h = chunk_dtsum = None
+    if chunked:
+        chunk_h = u.new_empty(num_seqs, num_chunks, num_channels, state_size, dtype=torch.float32)
+        chunk_dtsum = u.new_empty(num_seqs, num_chunks, num_channels, dtype=torch.float32)
+    grid = (num_seqs, triton.cdiv(num_channels, blocks.block_e), num_chunks)
+
+    def launch_stage(stage: int) -> None:
+        _selective_scan_fwd_kernel[grid](
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias if dt_bias is not None else dummy,
+            y,
+            h0,
+            final_state,
+            p_has_h0=has_initial_state if has_initial_state is not None else dummy,
+            p_chunk_h=chunk_h if chunked else dummy,
+            p_chunk_dtsum=chunk_dtsum if chunked else dummy,
+            T=seq_len,
+            E=num_channels,
+            N=state_size,
+            num_chunks=num_chunks,
+            s_u_b=_batch_strides(u)[0],
+            s_u_t=_batch_strides(u)[1],
+            s_dt_b=_batch_strides(dt)[0],
+            s_dt_t=_batch_strides(dt)[1],
+            s_z_b=_batch_strides(z)[0],
+            s_z_t=_batch_strides(z)[1],
+            s_B_b=_batch_strides(B)[0],
+            s_B_t=_batch_strides(B)[1],
+            s_C_b=_batch_strides(C)[0],
+            s_C_t=_batch_strides(C)[1],
+            s_y_b=_batch_strides(y)[0],
+            s_y_t=_batch_strides(y)[1],
+            s_h0_s=h0.stride(0),
+            s_h0_e=h0.stride(1),
+            s_h0_n=h0.stride(2),
+            s_hT_s=final_state.stride(0),
+            s_hT_e=final_state.stride(1),
+            s_hT_n=final_state.stride(2),
+            STAGE=stage,
+            CHUNKED=chunked,
+            HAS_H0=initial_state is not None,
+            DT_SOFTPLUS=dt_bias is not None,
+            UNROLL=blocks.unroll,
+            **optional,
+            **meta,
+        )
+
+    if chunked:
+        launch_stage(0)
+        _selective_scan_chunk_combine_kernel[grid[:2]](
+            A,
+            chunk_h,
+            chunk_dtsum,
+            h0,
+            final_state,
+            p_has_first=has_initial_state if has_initial_state is not None else dummy,
+            T=seq_len,
+            E=num_channels,
+            N=state_size,
+            num_chunks=num_chunks,
+            s_first_s=h0.stride(0),
+            s_first_e=h0.stride(1),
+            s_first_n=h0.stride(2),
+            s_last_s=final_state.stride(0),
+            s_last_e=final_state.stride(1),
+            s_last_n=final_state.stride(2),
+            REVERSE=False,
+            HAS_FIRST=initial_state is not None,
+            STORE_LAST=True,
+            **optional,
+            **meta,
+        )
+    launch_stage(1)
+    return chunk_h, chunk_dtsum
+
+
+def _scan_backward(u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, blocks: ScanBlocks):
+    """Backward launcher (training layout [B, T, E]); chunk_h / chunk_dtsum as `_scan_forward` returned them.
+    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state) in the dtypes of the inputs."""
+    batch_size, seq_len, num_channels = u.shape
+    state_size = A.shape[-1]
+    block_n = triton.next_power_of_2(state_size)
+    num_chunks = triton.cdiv(seq_len, blocks.chunk)
+    num_eblocks = triton.cdiv(num_channels, blocks.block_e)
+    chunked = chunk_h is not None
+    du = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
+    ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)
+    dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
+    dB_part = u.new_empty(num_eblocks, batch_size, seq_len, state_size, dtype=torch.float32)
+    dC_part = torch.empty_like(dB_part)
+    dA_part = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32)
+    dD_part = u.new_empty(batch_size, num_chunks, num_channels, dtype=torch.float32)
+    d_initial = torch.empty_like(initial_state) if initial_state is not None else None
+    chunk_dh = torch.empty_like(chunk_h) if chunked else None
+    grid = (batch_size, num_eblocks, num_chunks)
+    # Per program: chunk / seg checkpoints and one segment of states, each [BLOCK_E, BLOCK_N] fp32.
+    scratch_per_program = (blocks.chunk // blocks.seg + blocks.seg) * blocks.block_e * block_n
+    scratch = u.new_empty(grid[0] * grid[1] * grid[2] * scratch_per_program, dtype=torch.float32)
+    dummy = du
+    meta = {"CHUNK": blocks.chunk, "BLOCK_E": blocks.block_e, "BLOCK_N": block_n, "num_warps": blocks.bwd_num_warps}
+
+    def launch_stage(stage: int) -> None:
+        _selective_scan_bwd_kernel[grid](
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dy,
+            initial_state if initial_state is not None else dummy,
+            d_final_state if d_final_state is not None else dummy,
+            d_initial if d_initial is not None else dummy,
+            chunk_h if chunked else dummy,
+            chunk_dh if chunked else dummy,
+            scratch,
+            du,
+            ddt,
+            dz,
+            dB_part,
+            dC_part,
+            dA_part,
+            dD_part,
+            seq_len,
+            num_channels,
+            state_size,
+            num_chunks,
+            u.stride(0),
+            u.stride(1),
+            dt.stride(0),
+            dt.stride(1),
+            z.stride(0),
+            z.stride(1),
+            B.stride(0),
+            B.stride(1),
+            C.stride(0),
+            C.stride(1),
+            dy.stride(0),
+            dy.stride(1),
+            STAGE=stage,
+            CHUNKED=chunked,
+            HAS_H0=initial_state is not None,
+            HAS_DHT=d_final_state is not None,
+            SEG=blocks.seg,
+            UNROLL=blocks.unroll,
+            **meta,
+        )
+
+    if chunked:
+        launch_stage(0)
+        # The same combine as the forward's, right to left: dL/dh entering each chunk from its right edge.
+        state_strides = (num_channels * state_size, state_size, 1)
+        _selective_scan_chunk_combine_kernel[grid[:2]](
+            A,
+            chunk_dh,
+            chunk_dtsum,
+            d_final_state if d_final_state is not None else dummy,
+            d_initial if d_initial is not None else dummy,
+            dummy,
+            dummy,
+            dummy,
+            seq_len,
+            num_channels,
+            state_size,
+            num_chunks,
+            *state_strides,
+            *state_strides,
+            REVERSE=True,
+            HAS_FIRST=d_final_state is not None,
+            STORE_LAST=d_initial is not None,
+            USE_STATE_INDICES=False,
+            IS_VARLEN=False,
+            **meta,
+        )
+    launch_stage(1)
+    dB = dB_part.sum(0).to(B.dtype)  # [B, T, N]: the reduction over channel blocks
+    dC = dC_part.sum(0).to(C.dtype)
+    dA = dA_part.sum((0, 1)).to(A.dtype)  # [E, N]: over batch and chunks
+    dD = dD_part.sum((0, 1)).to(D.dtype)
+    return du, ddt, dA, dB, dC, dD, dz, d_initial
+
+
+class SelectiveScanFn(torch.autograd.Function):
+    """Training scan; the final state's gradient flows too (it seeds the adjoint at the right edge)."""
+
+    @staticmethod
+    def forward(ctx, u, dt, A, B, C, D, z, initial_state, blocks: ScanBlocks):
+        batch_size, seq_len, num_channels = u.shape
+        y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
+        final_state = u.new_empty(batch_size, num_channels, A.shape[-1], dtype=torch.float32)
+        chunk_h, chunk_dtsum = _scan_forward(
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            y,
+            initial_state,
+            final_state,
+            blocks,
+            num_seqs=batch_size,
+            seq_len=seq_len,
+            max_seq_len=seq_len,
+        )
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum)
+        ctx.blocks = blocks
+        return y, final_state
+
+    @staticmethod
+    def backward(ctx, dy, d_final_state):
+        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        if d_final_state is not None:
+            d_final_state = d_final_state.float().contiguous()
+        grads = _scan_backward(
+            u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, ctx.blocks
+        )
+        return *grads, None
+
+
+def selective_scan_fn(
     u: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -74,50 +887,161 @@ def selective_scan_fwd_triton(
     D: torch.Tensor,
     z: torch.Tensor,
     initial_state: torch.Tensor | None = None,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    block_e: int | None = None,
+    chunk: int | None = None,
+    seg: int | None = None,
+    unroll: int | None = None,
+    num_warps: int | None = None,
+    bwd_num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `selective_scan_ref`: u, dt, z [B, T, E]; A [E, N]; B, C [B, T, N]; D [E]; initial_state
-    [B, E, N] fp32 or None. Returns y [B, T, E] in u's dtype and the final state [B, E, N] in fp32, written into
-    `out` = (y, final_state) when given."""
+    """Differentiable Triton selective scan with the contract of `selective_scan_ref` (selective_scan.py).
+
+    Args:
+        u, dt, z: [B, T, E], any float dtypes (may differ); strided views with a contiguous last dimension (the
+            halves of one [B, T, 2E] tensor) are read in place.
+        A: [E, N] (fp32). B, C: [B, T, N]. D: [E].
+        initial_state: [B, E, N] or None (zeros).
+        block_e, chunk, seg, unroll, num_warps, bwd_num_warps: launch shape (`ScanBlocks`); None picks it from the
+            shapes.
+
+    Returns:
+        y [B, T, E] in u's dtype and the final state [B, E, N] fp32. Gradients flow to every input (dA, dD, and
+        d_initial_state in fp32 sums) and from both outputs.
+    """
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
-    assert dt.shape == u.shape == z.shape, (u.shape, dt.shape, z.shape)
-    assert B.shape == C.shape == (batch_size, seq_len, state_size), (B.shape, C.shape)
-    assert A.shape == (num_channels, state_size) and D.shape == (num_channels,)
-    u, dt, z, B, C, A, D = (x.contiguous() for x in (u, dt, z, B, C, A, D))
-    if out is None:
-        y = torch.empty_like(u)
-        final_state = u.new_empty(batch_size, num_channels, state_size, dtype=torch.float32)
-    else:
-        y, final_state = out
-        assert y.shape == u.shape and y.is_contiguous() and final_state.dtype == torch.float32
+    for name, x in (("u", u), ("dt", dt), ("z", z)):
+        _check_token_tensor(name, x, (batch_size, seq_len, num_channels))
+    for name, x in (("B", B), ("C", C)):
+        _check_token_tensor(name, x, (batch_size, seq_len, state_size))
+    if tuple(A.shape) != (num_channels, state_size) or tuple(D.shape) != (num_channels,):
+        raise ValueError(
+            f"A, D: expected [E, N] = {(num_channels, state_size)} and [E], got {tuple(A.shape)}, {tuple(D.shape)}"
+        )
     if initial_state is not None:
+        if tuple(initial_state.shape) != (batch_size, num_channels, state_size):
+            raise ValueError(
+                f"initial_state: expected {(batch_size, num_channels, state_size)}, got {tuple(initial_state.shape)}"
+            )
         initial_state = initial_state.float().contiguous()
-        assert initial_state.shape == final_state.shape
-    # A [E, N] state block of 16 x N fp32 values per program; small channel blocks keep registers and occupancy sane.
-    block_e = 16
-    grid = (batch_size, triton.cdiv(num_channels, block_e))
-    _selective_scan_fwd_kernel[grid](
-        u,
-        dt,
-        A,
-        B,
-        C,
-        D,
-        z,
-        initial_state if initial_state is not None else final_state,
-        y,
-        final_state,
+    blocks = _pick_blocks(
+        batch_size,
         seq_len,
         num_channels,
         state_size,
-        u.stride(0),
-        u.stride(1),
-        B.stride(0),
-        B.stride(1),
-        final_state.stride(0),
-        HAS_INITIAL_STATE=initial_state is not None,
-        BLOCK_E=block_e,
-        BLOCK_N=triton.next_power_of_2(state_size),
+        block_e=block_e,
+        chunk=chunk,
+        seg=seg,
+        unroll=unroll,
+        num_warps=num_warps,
+        bwd_num_warps=bwd_num_warps,
     )
-    return y, final_state
+    if seq_len == 0:  # nothing to scan; keeps the kernels free of empty-grid corner cases
+        final_state = (
+            initial_state
+            if initial_state is not None
+            else u.new_zeros(batch_size, num_channels, state_size, dtype=torch.float32)
+        )
+        return torch.empty_like(u), final_state
+    return SelectiveScanFn.apply(u, dt, A.contiguous(), B, C, D.contiguous(), z, initial_state, blocks)
+
+
+def selective_scan_varlen_fwd(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
+    block_e: int | None = None,
+    chunk: int | None = None,
+    unroll: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Serving prefill over packed sequences with a state cache; reference `selective_scan_varlen_ref`
+    (selective_scan.py), same signature plus keyword-only launch arguments. Not differentiable.
+
+    Args:
+        u, z: [T_total, E] (strided views with a contiguous last dimension are read in place).
+        dt: [T_total, E] RAW dt_proj output; the kernel steps with softplus(dt + dt_bias) in fp32 (vLLM's
+            delta_bias + delta_softplus).
+        A: [E, N] (fp32); B, C: [T_total, N]; D, dt_bias: [E].
+        cu_seqlens: [S + 1] int32 token offsets of the sequences.
+        ssm_state: [num_slots, E, N] cache (fp32, bf16 or fp16; any strides, e.g. a view of a bigger cache), updated
+            in place with each sequence's final state in its dtype; other slots are not touched.
+        state_indices: [S] int32 slot per sequence; -1 = padding: its tokens get zeros in `out`, no slot touched.
+        has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
+        out: [T_total, E] written with y * silu(z) (contiguous last dimension).
+        max_seq_len: the longest sequence; computed from cu_seqlens (a host sync) when None.
+        block_e, chunk, unroll, num_warps: launch shape (`ScanBlocks`); None picks it from the shapes.
+
+    Returns:
+        `out`.
+    """
+    total_tokens, num_channels = u.shape
+    state_size = A.shape[-1]
+    num_seqs = cu_seqlens.shape[0] - 1
+    for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out)):
+        _check_token_tensor(name, x, (total_tokens, num_channels))
+    for name, x in (("B", B), ("C", C)):
+        _check_token_tensor(name, x, (total_tokens, state_size))
+    for name, x, shape in (
+        ("A", A, (num_channels, state_size)),
+        ("D", D, (num_channels,)),
+        ("dt_bias", dt_bias, (num_channels,)),
+        ("state_indices", state_indices, (num_seqs,)),
+        ("has_initial_state", has_initial_state, (num_seqs,)),
+    ):
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    if ssm_state.dim() != 3 or tuple(ssm_state.shape[1:]) != (num_channels, state_size):
+        raise ValueError(
+            f"ssm_state: expected [num_slots, {num_channels}, {state_size}], got {tuple(ssm_state.shape)}"
+        )
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens, state_indices: expected int32, got {cu_seqlens.dtype}, {state_indices.dtype}")
+    if num_seqs == 0 or total_tokens == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    blocks = _pick_blocks(
+        num_seqs,
+        max_seq_len,
+        num_channels,
+        state_size,
+        block_e=block_e,
+        chunk=chunk,
+        unroll=unroll,
+        num_warps=num_warps,
+    )
+    _scan_forward(
+        u,
+        dt,
+        A.contiguous(),
+        B,
+        C,
+        D.contiguous(),
+        z,
+        out,
+        ssm_state if has_initial_state is not None else None,  # None: no slot is read
+        ssm_state,
+        blocks,
+        num_seqs=num_seqs,
+        seq_len=total_tokens,
+        max_seq_len=max(max_seq_len, 1),
+        cu_seqlens=cu_seqlens,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
+        dt_bias=dt_bias.contiguous(),
+    )
+    return out

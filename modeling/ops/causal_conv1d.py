@@ -1,0 +1,148 @@
+"""Causal depthwise conv1d of the SSM branch: the plain-PyTorch references every kernel of this op is tested against
+(the Triton kernels are in causal_conv1d_triton.py, one reference per public kernel function, same signatures).
+
+Glossary of dimension letters:
+    B  batch                     T  time (tokens of one sequence, or of a packed batch)
+    E  SSM channels              K  conv kernel width (taps); a sequence's history is its last K-1 inputs
+    S  sequences of a packed batch, delimited by `cu_seqlens` [S+1] (sequence s owns rows cu[s]..cu[s+1]-1)
+    N  decode requests (one token each)
+    slots  rows of the serving conv-state cache, one per running request
+
+The op (DESIGN.md, "SSM history branch"), per channel e and token t of a sequence:
+    y_t = act(bias + sum_{k<K} weight[e, k] * x_{t-K+1+k})        act = silu or identity
+where x_{t'} for t' < 0 is taken from the history (the previous K-1 inputs; zeros at the start of a sequence).
+The weight is stored [E, K] (vLLM's layout; the Transformers `nn.Conv1d` weight is [E, 1, K]: callers squeeze it).
+"""
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = (None, "silu")
+
+
+def check_activation(activation: str | None) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _depthwise_causal(
+    padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation
+) -> torch.Tensor:
+    """padded [n, E, K-1+L] (history then inputs) -> [n, E, L], in padded's dtype."""
+    y = F.conv1d(
+        padded,
+        weight[:, None, :].to(padded.dtype),
+        None if bias is None else bias.to(padded.dtype),
+        groups=padded.shape[1],
+    )
+    return F.silu(y) if activation == "silu" else y
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    initial_history: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv over a batch of sequences, token-major layout (reference of `causal_conv1d_fn`).
+
+    Args:
+        x: [B, T, E] inputs, any strides.
+        weight: [E, K]. bias: [E] or None.
+        activation: None or "silu".
+        initial_history: [B, E, K-1] the K-1 inputs before x[:, 0] (a chunk continuing from a cache); None = zeros.
+
+    Returns:
+        y: [B, T, E] in x.dtype. Math in fp32 (fp64 for fp64 inputs), differentiable in x, weight, bias and history.
+    """
+    check_activation(activation)
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    batch_size, _, num_channels = x.shape
+    width = weight.shape[-1]
+    x_t = x.to(compute_dtype).transpose(1, 2)  # [B, E, T]
+    if initial_history is None:
+        history = x_t.new_zeros(batch_size, num_channels, width - 1)
+    else:
+        history = initial_history.to(compute_dtype)
+    padded = torch.cat([history, x_t], dim=-1)  # [B, E, K-1+T]: left-padded with the history
+    y = _depthwise_causal(padded, weight, bias, activation)  # [B, E, T]
+    return y.transpose(1, 2).to(x.dtype)
+
+
+def causal_conv1d_varlen_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed prefills continuing from (and updating) the serving conv-state cache (reference of
+    `causal_conv1d_varlen_fwd`); a loop over sequences.
+
+    Args:
+        x: [T, E] packed sequences, any strides.
+        weight: [E, K]. bias: [E] or None.
+        conv_state: [slots, E, K-1] in the cache dtype, any strides; updated in place: each sequence's slot receives
+            the last K-1 entries of (history, its inputs), so a sequence shorter than K-1 keeps part of its history.
+        cu_seqlens: [S+1] int32, sequence s owns rows cu_seqlens[s]..cu_seqlens[s+1]-1; rows past cu_seqlens[-1]
+            are padding.
+        state_indices: [S] int32 slot per sequence; -1 marks a padding sequence (no state read or written).
+        has_initial_state: [S] bool; False means the history is zeros whatever the slot holds.
+        out: [T, E] written in place when given.
+
+    Returns:
+        out [T, E] in x.dtype; rows of padding sequences and rows past cu_seqlens[-1] are zeros.
+    """
+    check_activation(activation)
+    width = weight.shape[-1]
+    out = torch.empty_like(x) if out is None else out
+    out.zero_()
+    bounds = cu_seqlens.tolist()
+    for seq, (slot, continues) in enumerate(zip(state_indices.tolist(), has_initial_state.tolist())):
+        if slot < 0:
+            continue
+        seq_x = x[bounds[seq] : bounds[seq + 1]].float().T  # [E, L]
+        history = conv_state[slot].float() if continues else seq_x.new_zeros(seq_x.shape[0], width - 1)
+        padded = torch.cat([history, seq_x], dim=-1)  # [E, K-1+L]
+        if seq_x.shape[1]:  # an empty sequence only rewrites its history
+            out[bounds[seq] : bounds[seq + 1]] = _depthwise_causal(padded[None], weight.float(), bias, activation)[0].T
+        conv_state[slot] = padded[:, padded.shape[1] - (width - 1) :].to(conv_state.dtype)
+    return out
+
+
+def causal_conv1d_update_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step per request (reference of `causal_conv1d_update`).
+
+    Args:
+        x: [N, E] the new token of each request, any strides.
+        weight: [E, K]. bias: [E] or None.
+        conv_state: [slots, E, K-1], any strides; the request's slot is shifted by one and receives x (in place).
+        state_indices: [N] int32 slot per request; -1 marks a padding row (output zeros, no state touched).
+        out: [N, E] written in place when given.
+
+    Returns:
+        out [N, E] in x.dtype.
+    """
+    check_activation(activation)
+    out = torch.empty_like(x) if out is None else out
+    out.zero_()
+    for row, slot in enumerate(state_indices.tolist()):
+        if slot < 0:
+            continue
+        window = torch.cat([conv_state[slot].float(), x[row, :, None].float()], dim=-1)  # [E, K]
+        out[row] = _depthwise_causal(window[None], weight.float(), bias, activation)[0, :, 0]
+        conv_state[slot] = window[:, 1:].to(conv_state.dtype)
+    return out

@@ -1,0 +1,137 @@
+"""Decode step of the hybrid layer: plain-PyTorch references for the kernels in hybrid_decode_triton.py.
+
+Glossary of dimension letters:
+    B    decoding requests in the batch (one new token each)
+    H    query heads          KVH  key/value heads (H % KVH == 0)      G  H / KVH query heads per kv head
+    D    head dim (in attention shapes; `D` the tensor is the SSM skip connection [E])
+    W    sliding window       P    page (block) size of the paged KV cache
+    NB   physical KV blocks   MB   logical blocks per request (block table width)
+    S    SSM state slots      E    SSM channels                         N  state size per channel
+
+Two jobs per decoding request i, both reading one cache and writing one output:
+    attention    query i sits at position seq_lens[i] - 1 and attends to the keys s with
+                 seq_lens[i] - 1 - W < s <= seq_lens[i] - 1 (exactly W keys once the context is long enough; all keys
+                 when the window is None), looked up through the block table: key s of request i lives at
+                 key_cache[block_table[i, s // P], s % P]. A request with seq_lens[i] == 0 (CUDA-graph padding) gets
+                 zeros.
+    SSM update   one step of DESIGN.md's recurrence from the request's state slot, in fp32, written back in place:
+                 dt = softplus(dt_raw + dt_bias); state = exp(dt * A) * state + dt * u * B; y = state @ C + D * u;
+                 out = y * silu(z). A slot index of -1 (CUDA-graph padding) leaves every slot alone and writes zeros.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .selective_scan import selective_scan_ref
+
+
+def selective_state_update_ref(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """One selective-scan step per decoding request, reading and writing its state slot. Reference of
+    `hybrid_decode_triton.selective_state_update` (same signature).
+
+    Args:
+        ssm_state: [S, E, N] state cache (fp32, bf16 or fp16), updated in place for the slots in `state_indices`.
+        u:  [B, E] conv output (after silu).
+        dt: [B, E] raw `dt_proj` output WITHOUT its bias: the step is `softplus(dt + dt_bias)`, in fp32.
+        A:  [E, N] fp32 negative decay rates.   B, C: [B, N] projections of the state.
+        D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
+        state_indices: [B] int32 slot of each request; -1 marks a padding row.
+        out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
+    """
+    valid = state_indices >= 0  # [B]
+    slots = state_indices[valid].long()  # [B']
+    step = F.softplus(dt[valid].float() + dt_bias.float())  # [B', E]
+    # A decode is a scan of length one: [B', E] -> [B', 1, E] (and [B', N] -> [B', 1, N]).
+    y, state = selective_scan_ref(
+        u[valid, None],
+        step[:, None],
+        A,
+        B[valid, None],
+        C[valid, None],
+        D,
+        z[valid, None],
+        initial_state=ssm_state[slots],
+    )
+    out.zero_()
+    out[valid] = y[:, 0].to(out.dtype)
+    ssm_state[slots] = state.to(ssm_state.dtype)
+    return out
+
+
+def window_attention_decode_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    attn_out: torch.Tensor,
+) -> torch.Tensor:
+    """Sliding-window (or full) attention of one query per request over the paged KV cache, request by request.
+
+    Args:
+        query: [B, H, D] (RoPE applied), the token at position seq_lens[i] - 1.
+        key_cache, value_cache: [NB, P, KVH, D], any strides.
+        block_table: [B, MB] int32, logical block -> physical block; blocks before the window are never touched.
+        seq_lens: [B] int32 context length including the new token (whose K/V is already cached); 0 = padding.
+        scale: softmax scale.   window: W, or None for full attention.
+        attn_out: [B, H, D] written and returned.
+    """
+    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start = 0 if window is None else max(0, seq_len - window)
+        positions = torch.arange(start, seq_len, device=query.device)  # [L]
+        if len(positions) == 0:
+            attn_out[i] = 0
+            continue
+        pages = block_table[i, positions // page_size].long()  # [L]
+        keys = key_cache[pages, positions % page_size].float()  # [L, KVH, D]
+        values = value_cache[pages, positions % page_size].float()  # [L, KVH, D]
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]: query head h reads kv head h // G
+        values = values.repeat_interleave(group, dim=1)  # [L, H, D]
+        scores = torch.einsum("hd,lhd->hl", query[i].float(), keys) * scale  # [H, L]
+        attn_out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values).to(attn_out.dtype)
+    return attn_out
+
+
+def hybrid_decode_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    attn_out: torch.Tensor,
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    ssm_out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both halves of a hybrid layer's decode step: `window_attention_decode_ref` then `selective_state_update_ref`
+    (see them for the arguments). Reference of `hybrid_decode_triton.hybrid_decode` (same signature), which does both
+    in one launch. Returns (attn_out [B, H, D], ssm_out [B, E])."""
+    window_attention_decode_ref(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out)
+    selective_state_update_ref(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out)
+    return attn_out, ssm_out

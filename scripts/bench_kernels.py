@@ -1,0 +1,601 @@
+"""Builds, checks and times every Triton kernel of the hybrid on one GPU, in one run, beside what a user would
+otherwise run (the PyTorch references, flex_attention and SDPA, separate launches, vLLM's own kernels when vLLM is
+importable), and against the two ceilings measured in the same run: a device-to-device copy and a bf16 matmul.
+
+    python scripts/bench_kernels.py                       # everything, prints the table last
+    python scripts/bench_kernels.py --only scan,decode    # some sections
+    python scripts/bench_kernels.py --json $OUT/bench.json
+
+Each row: median time over repeated runs (`triton.testing.do_bench`, CUDA events), the bytes or FLOPs the work must
+move or do at the least, the rate that gives, and its share of the measured ceiling. Before timing, every kernel's
+output is compared with its reference on fresh random inputs (`rel err` = ||out - ref|| / ||ref||, reference in
+fp32). Methodology: /work/.library/device/METHOD.md; results and commentary: BENCHMARKS.md.
+"""
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DEVICE = "cuda"
+
+
+@dataclass
+class Row:
+    section: str
+    variant: str
+    shape: str
+    ms: float
+    bytes: float = 0.0  # the fewest bytes the work must move (0: not a memory-bound row)
+    flops: float = 0.0  # the FLOPs it must do (0: not a compute-bound row)
+    rel_err: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def median_ms(fn: Callable[[], object], rep_ms: int = 300) -> float:
+    """Median time of `fn` over repeated runs (CUDA events), after warm-up."""
+    return triton.testing.do_bench(fn, warmup=50, rep=rep_ms, return_mode="median")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def randn(*shape, dtype=torch.bfloat16, scale=1.0):
+    return (torch.randn(*shape, device=DEVICE) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Ceilings
+
+
+def measure_ceilings() -> tuple[list[Row], dict]:
+    """Copy bandwidth (bytes read + written) over 2 GiB, and a bf16 8192^3 matmul on random data."""
+    src = torch.randn(2**29, device=DEVICE)  # 2 GiB fp32
+    dst = torch.empty_like(src)
+    copy_ms = median_ms(lambda: dst.copy_(src))
+    copy_bytes = 2 * src.numel() * src.element_size()
+    a, b = randn(8192, 8192), randn(8192, 8192)
+    mm_ms = median_ms(lambda: a @ b)
+    mm_flops = 2 * 8192**3
+    ceilings = {"copy_GBps": copy_bytes / copy_ms / 1e6, "matmul_TFLOPs": mm_flops / mm_ms / 1e9}
+    rows = [
+        Row("ceiling", "device-to-device copy", "2 GiB fp32", copy_ms, bytes=copy_bytes),
+        Row("ceiling", "bf16 matmul (cuBLAS)", "8192^3", mm_ms, flops=mm_flops),
+    ]
+    return rows, ceilings
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training step of a ~400M hybrid against the same model with the SSM branch off
+
+
+def median_train_step_ms(model, args) -> float:
+    """Median wall time of a full step (forward, backward, fused AdamW) after two warm-up steps."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    input_ids = torch.randint(0, model.config.vocab_size, (args.train_batch, args.train_seq_len), device=DEVICE)
+    times = []
+    for i in range(2 + args.train_steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def bench_train_step(args) -> list[Row]:
+    from configuration import HybridConfig
+    from modeling import HybridForCausalLM
+
+    def config(**overrides):
+        fields = dict(
+            vocab_size=32000,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            sliding_window=args.train_window,
+            max_position_embeddings=args.train_seq_len,
+            tie_word_embeddings=True,
+        )
+        fields.update(overrides)
+        return HybridConfig(**fields)
+
+    variants = [
+        ("SSM branch off (SWA only)", dict(use_ssm_branch=False)),
+        ("hybrid, Triton kernels", dict()),
+    ]
+    if args.train_reference:
+        variants.append(("hybrid, PyTorch reference", dict(use_ssm_kernels=False)))
+    rows = []
+    tokens = args.train_batch * args.train_seq_len
+    for name, overrides in variants:
+        torch.manual_seed(0)
+        model = HybridForCausalLM(config(**overrides)).to(DEVICE, torch.bfloat16)
+        model.set_attn_implementation(args.train_attn)
+        ms = median_train_step_ms(model, args)
+        params = sum(p.numel() for p in model.parameters())
+        rows.append(
+            Row(
+                "train step",
+                name,
+                f"{params / 1e6:.0f}M params, B={args.train_batch} T={args.train_seq_len} W={args.train_window}",
+                ms,
+                note=f"{tokens / ms * 1e3:,.0f} tok/s",
+                extra={"tokens_per_s": tokens / ms * 1e3},
+            )
+        )
+        del model
+        torch.cuda.empty_cache()
+    base = rows[0].extra["tokens_per_s"]
+    for row in rows[1:]:
+        row.note += f" = {row.extra['tokens_per_s'] / base:.2f}x SWA-only"
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training kernels: selective scan and causal conv1d, forward + backward
+
+
+def scan_inputs(batch, seq_len, channels, state, requires_grad=False):
+    """bf16 u, z, B, C and fp32 dt / A / D, the dtypes the HF model hands the scan."""
+    u, z = randn(batch, seq_len, channels), randn(batch, seq_len, channels)
+    dt = F.softplus(randn(batch, seq_len, channels, dtype=torch.float32) - 3)
+    A = -torch.exp(randn(channels, state, dtype=torch.float32, scale=0.5))
+    B, C = randn(batch, seq_len, state), randn(batch, seq_len, state)
+    D = randn(channels, dtype=torch.float32)
+    tensors = [u, dt, A, B, C, D, z]
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return tensors
+
+
+def bench_scan(args) -> list[Row]:
+    from modeling.ops import selective_scan_ref
+    from modeling.ops.selective_scan_triton import selective_scan_fn
+
+    batch, seq_len, channels, state = args.scan_batch, args.scan_seq_len, args.scan_channels, 16
+    shape = f"B={batch} T={seq_len} E={channels} N={state}"
+    inputs = scan_inputs(batch, seq_len, channels, state, requires_grad=True)
+    dy = randn(batch, seq_len, channels)
+
+    def fwd_bwd(scan):
+        def run():
+            y, _ = scan(*inputs)
+            return torch.autograd.grad(y, inputs, dy)
+
+        return run
+
+    # Check: the kernel's y and every gradient against autograd through the reference (fp32 math), same inputs.
+    y, _ = selective_scan_fn(*inputs)
+    y_ref, _ = selective_scan_ref(*inputs)
+    grads = fwd_bwd(selective_scan_fn)()
+    grads_ref = fwd_bwd(selective_scan_ref)()
+    errs = {"y": rel_err(y, y_ref)}
+    errs |= {f"d{name}": rel_err(g, r) for name, g, r in zip(["u", "dt", "A", "B", "C", "D", "z"], grads, grads_ref)}
+    worst = max(errs.values())
+
+    bte, btn = batch * seq_len * channels, batch * seq_len * state
+    fwd_bytes = bte * (2 + 4 + 2 + 2) + btn * 2 * 2  # u, dt, z in; y out; B, C in
+    bwd_bytes = bte * (2 + 4 + 2 + 2 + 2 + 4 + 2) + btn * 2 * 4  # u, dt, z, dy in; du, ddt, dz out; B, C, dB, dC
+    with torch.no_grad():
+        fwd_ms = median_ms(lambda: selective_scan_fn(*inputs))
+        ref_fwd_ms = median_ms(lambda: selective_scan_ref(*inputs), rep_ms=100)
+    fb_ms = median_ms(fwd_bwd(selective_scan_fn))
+    ref_fb_ms = median_ms(fwd_bwd(selective_scan_ref), rep_ms=100)
+    return [
+        Row("scan", "Triton fwd", shape, fwd_ms, bytes=fwd_bytes, rel_err=errs["y"],
+            note=f"{ref_fwd_ms / fwd_ms:.0f}x reference"),
+        Row("scan", "PyTorch reference fwd", shape, ref_fwd_ms, bytes=fwd_bytes),
+        Row("scan", "Triton fwd+bwd", shape, fb_ms, bytes=fwd_bytes + bwd_bytes, rel_err=worst,
+            note=f"{ref_fb_ms / fb_ms:.0f}x reference; floor x{fb_ms / ((fwd_bytes + bwd_bytes) / CEILINGS['copy_GBps'] / 1e6):.1f}",
+            extra=errs),
+        Row("scan", "PyTorch reference fwd+bwd", shape, ref_fb_ms, bytes=fwd_bytes + bwd_bytes),
+    ]  # fmt: skip
+
+
+def conv_reference(x, weight, bias):
+    """What the PyTorch path does: channel-major, left zero padding, grouped conv1d, silu."""
+    K = weight.shape[-1]
+    x_cm = F.pad(x.transpose(1, 2), (K - 1, 0))
+    return F.silu(F.conv1d(x_cm, weight[:, None, :], bias, groups=x.shape[-1])).transpose(1, 2)
+
+
+def bench_conv(args) -> list[Row]:
+    from modeling.ops.causal_conv1d_triton import causal_conv1d_fn
+
+    batch, seq_len, channels, K = args.scan_batch, args.scan_seq_len, args.scan_channels, 4
+    shape = f"B={batch} T={seq_len} E={channels} K={K}, x strided"
+    xz = randn(batch, seq_len, 2 * channels).requires_grad_(True)
+    x = xz[..., :channels]  # the in_proj half, as the model hands it over: stride(1) = 2E
+    weight = randn(channels, K, dtype=torch.bfloat16, scale=0.5).requires_grad_(True)
+    bias = randn(channels, dtype=torch.bfloat16).requires_grad_(True)
+    dy = randn(batch, seq_len, channels)
+
+    def fwd_bwd(conv):
+        def run():
+            y = conv(x, weight, bias)
+            return torch.autograd.grad(y, [x, weight, bias], dy)
+
+        return run
+
+    kernel = lambda x, w, b: causal_conv1d_fn(x, w, b, "silu")
+    y, y_ref = kernel(x, weight, bias), conv_reference(x.float(), weight.float(), bias.float())
+    grads, grads_ref = fwd_bwd(kernel)(), fwd_bwd(lambda x, w, b: conv_reference(x.float(), w.float(), b.float()))()
+    errs = {"y": rel_err(y, y_ref)} | {f"d{n}": rel_err(g, r) for n, g, r in zip(["x", "w", "b"], grads, grads_ref)}
+    bte = batch * seq_len * channels
+    fwd_bytes, fb_bytes = 2 * bte * 2, 2 * bte * 2 + 3 * bte * 2  # fwd: x in, y out; bwd: x, dy in, dx out
+    with torch.no_grad():
+        fwd_ms = median_ms(lambda: kernel(x, weight, bias))
+        ref_fwd_ms = median_ms(lambda: conv_reference(x, weight, bias))
+    fb_ms, ref_fb_ms = median_ms(fwd_bwd(kernel)), median_ms(fwd_bwd(conv_reference))
+    return [
+        Row("conv1d", "Triton fwd", shape, fwd_ms, bytes=fwd_bytes, rel_err=errs["y"],
+            note=f"{ref_fwd_ms / fwd_ms:.1f}x PyTorch"),
+        Row("conv1d", "PyTorch conv1d+silu fwd (bf16)", shape, ref_fwd_ms, bytes=fwd_bytes),
+        Row("conv1d", "Triton fwd+bwd", shape, fb_ms, bytes=fb_bytes, rel_err=max(errs.values()),
+            note=f"{ref_fb_ms / fb_ms:.1f}x PyTorch", extra=errs),
+        Row("conv1d", "PyTorch conv1d+silu fwd+bwd (bf16)", shape, ref_fb_ms, bytes=fb_bytes),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serving kernels: varlen prefill (conv + scan from state slots), paged window attention, fused decode
+
+
+def vllm_ops():
+    """vLLM's own kernels when vLLM (CUDA build) is importable, else None."""
+    try:
+        from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
+        from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_scan_fn, selective_state_update
+        from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+    except Exception as error:  # noqa: BLE001 - any import failure means: no vLLM anchors in this run
+        print(f"vLLM anchors skipped: {type(error).__name__}: {error}")
+        return None
+    return dict(
+        causal_conv1d_fn=causal_conv1d_fn,
+        selective_scan_fn=selective_scan_fn,
+        selective_state_update=selective_state_update,
+        unified_attention=unified_attention,
+    )
+
+
+def bench_prefill(args) -> list[Row]:
+    """Packed prefills continuing from state slots: conv varlen then scan varlen, as the vLLM backend runs them."""
+    from modeling.ops.causal_conv1d_triton import causal_conv1d_varlen_fwd
+
+    from modeling.ops import causal_conv1d_varlen_ref, selective_scan_varlen_ref
+    from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
+
+    num_seqs, seq_len, channels, state, K = args.prefill_seqs, args.prefill_seq_len, args.serve_channels, 16, 4
+    total = num_seqs * seq_len
+    shape = f"{num_seqs} seqs x {seq_len}, E={channels} N={state}"
+    cu_seqlens = torch.arange(0, total + 1, seq_len, device=DEVICE, dtype=torch.int32)
+    num_slots = 2 * num_seqs + 1
+    slots = torch.randperm(num_slots - 1, device=DEVICE)[:num_seqs].to(torch.int32) + 1
+    has_initial = torch.arange(num_seqs, device=DEVICE) % 2 == 0
+    xz = randn(total, 2 * channels)
+    xs, z = xz.chunk(2, dim=-1)
+    weight, bias = randn(channels, K, scale=0.5), randn(channels)
+    conv_state0 = randn(num_slots, channels, K - 1)
+    dt, B, C = randn(total, channels, scale=0.5), randn(total, state), randn(total, state)
+    A = -torch.exp(randn(channels, state, dtype=torch.float32, scale=0.5))
+    D, dt_bias = randn(channels, dtype=torch.float32), randn(channels, dtype=torch.float32, scale=0.5) - 3
+    ssm_state0 = randn(num_slots, channels, state, dtype=torch.float32)
+
+    def ours(conv_state, ssm_state, out):
+        u = causal_conv1d_varlen_fwd(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
+        selective_scan_varlen_fwd(u, dt, A, B, C, D, z, dt_bias, cu_seqlens, ssm_state, slots, has_initial, out=out)
+        return u
+
+    def reference(conv_state, ssm_state, out):
+        u = causal_conv1d_varlen_ref(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
+        selective_scan_varlen_ref(u, dt, A, B, C, D, z, dt_bias, cu_seqlens, ssm_state, slots, has_initial, out=out)
+        return u
+
+    results = []
+    for fn in (ours, reference):
+        conv_state, ssm_state, out = conv_state0.clone(), ssm_state0.clone(), torch.full_like(xs, float("nan"))
+        u = fn(conv_state, ssm_state, out)
+        results.append((u, out, conv_state, ssm_state))
+    errs = {name: rel_err(a, b) for name, a, b in zip(["u", "y", "conv_state", "ssm_state"], results[0], results[1])}
+    tokens_bytes = total * channels * (2 + 2 + 2 + 2 + 2)  # xs, dt, z in; u out (and in again), y out
+    state_bytes = 2 * num_seqs * channels * (state * 4 + (K - 1) * 2)
+    work = [conv_state0.clone(), ssm_state0.clone(), torch.empty_like(xs)]
+    rows = [
+        Row("prefill", "Triton conv varlen + scan varlen", shape, median_ms(lambda: ours(*work)),
+            bytes=tokens_bytes + state_bytes, rel_err=max(errs.values()), extra=errs),
+        Row("prefill", "PyTorch references", shape, median_ms(lambda: reference(*work), rep_ms=100),
+            bytes=tokens_bytes + state_bytes),
+    ]  # fmt: skip
+    if (vllm := vllm_ops()) is not None:
+        # vLLM's Mamba-1 ops are channel-major ([E, T]): hand them that layout, made before timing.
+        xs_cm, dt_cm, z_cm = xs.t().contiguous(), dt.t().contiguous(), z.t().contiguous()
+        B_cm, C_cm = B.t().contiguous()[None], C.t().contiguous()[None]
+        conv_state_v = conv_state0.clone()
+        ssm_state_v = ssm_state0.clone()
+
+        def vllm_prefill():
+            u = vllm["causal_conv1d_fn"](
+                xs_cm, weight, bias, conv_states=conv_state_v, query_start_loc=cu_seqlens, cache_indices=slots,
+                has_initial_state=has_initial, activation="silu",
+            )  # fmt: skip
+            return vllm["selective_scan_fn"](
+                u, ssm_state_v, dt_cm, A, B_cm, C_cm, D, z_cm, dt_bias, True, cu_seqlens, slots, has_initial
+            )
+
+        rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", shape + " (E-major)",
+                        median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
+    base = rows[0].ms
+    for row in rows[1:]:
+        row.note = f"ours is {row.ms / base:.1f}x faster"
+    return rows
+
+
+def paged_kv(num_seqs, seq_lens, num_kv_heads, head_dim, block_size, extra_blocks=0):
+    """A vLLM Triton-layout KV cache [num_blocks, KVH, block_size, 2D] with random contents, its [num_blocks,
+    block_size, KVH, D] key and value views, and a block table that scatters each sequence over random blocks."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks + 1
+    kv_cache = randn(num_blocks, num_kv_heads, block_size, 2 * head_dim)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
+    perm = torch.randperm(num_blocks - 1, device=DEVICE).to(torch.int32) + 1
+    block_table = torch.zeros(num_seqs, max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    start = 0
+    for i, n in enumerate(blocks_per_seq):
+        block_table[i, :n] = perm[start : start + n]
+        start += n
+    return kv_cache, key_cache, value_cache, block_table
+
+
+def gather_kv(cache, block_table, seq_len, row):
+    """[seq_len, KVH, D] of one sequence, through its block table."""
+    return cache[block_table[row].long()].flatten(0, 1)[:seq_len]
+
+
+def attention_flops(positions: torch.Tensor, window, num_heads, head_dim) -> float:
+    keys = positions + 1 if window is None else torch.clamp(positions + 1, max=window)
+    return float(keys.double().sum().item()) * num_heads * head_dim * 4
+
+
+def bench_attention(args) -> list[Row]:
+    """Full prefills of long sequences through the paged window attention, against flex_attention with a
+    sliding-window block mask and SDPA with a windowed mask (dense [T, T] mask), on the same Q/K/V."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from modeling.ops.paged_attention_triton import paged_window_attention
+
+    num_seqs, seq_len, window = args.attn_seqs, args.attn_seq_len, args.window
+    H, KVH, D, block_size = args.heads, args.kv_heads, args.head_dim, args.block_size
+    shape = f"{num_seqs} x {seq_len} tok, W={window}, {H}x{D} q, {KVH} kv"
+    total = num_seqs * seq_len
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device=DEVICE)
+    _, key_cache, value_cache, block_table = paged_kv(num_seqs, [seq_len] * num_seqs, KVH, D, block_size)
+    query = randn(total, H, D)
+    scale = D**-0.5
+    out = torch.full_like(query, float("nan"))
+
+    def ours():
+        return paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+                                      window, out=out, max_query_len=seq_len, max_seq_len=seq_len)  # fmt: skip
+
+    # Dense [S, H, T, D] copies of the same keys for the anchors.
+    q_d = query.view(num_seqs, seq_len, H, D).transpose(1, 2)
+    k_d = torch.stack([gather_kv(key_cache, block_table, seq_len, i) for i in range(num_seqs)]).transpose(1, 2)
+    v_d = torch.stack([gather_kv(value_cache, block_table, seq_len, i) for i in range(num_seqs)]).transpose(1, 2)
+
+    def in_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    block_mask = create_block_mask(in_window, None, None, seq_len, seq_len, device=DEVICE)
+    flex = torch.compile(flex_attention)
+    positions = torch.arange(seq_len, device=DEVICE)
+    dense_mask = (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < window)
+
+    ours()
+    reference = F.scaled_dot_product_attention(q_d.float(), k_d.float(), v_d.float(), attn_mask=dense_mask,
+                                               scale=scale, enable_gqa=True)  # fmt: skip
+    reference = reference.transpose(1, 2).reshape(total, H, D)
+    flops = num_seqs * attention_flops(positions, window, H, D)
+    flex_out = flex(q_d, k_d, v_d, block_mask=block_mask, scale=scale, enable_gqa=True)
+    sdpa = lambda: F.scaled_dot_product_attention(q_d, k_d, v_d, attn_mask=dense_mask, scale=scale, enable_gqa=True)
+    rows = [
+        Row("attn prefill", "Triton paged window attention", shape, median_ms(ours), flops=flops,
+            rel_err=rel_err(out, reference)),
+        Row("attn prefill", "flex_attention (sliding block mask)", shape,
+            median_ms(lambda: flex(q_d, k_d, v_d, block_mask=block_mask, scale=scale, enable_gqa=True)), flops=flops,
+            rel_err=rel_err(flex_out.transpose(1, 2).reshape(total, H, D), reference)),
+        Row("attn prefill", "SDPA, windowed mask", shape, median_ms(sdpa), flops=flops,
+            rel_err=rel_err(sdpa().transpose(1, 2).reshape(total, H, D), reference)),
+    ]  # fmt: skip
+    for row in rows[1:]:
+        row.note = f"ours is {row.ms / rows[0].ms:.2f}x faster"
+    return rows
+
+
+def bench_decode(args) -> list[Row]:
+    """One decode step of a batch: window attention over the paged KV and the SSM state update. The fused kernel
+    (one launch) against the same work in separate launches (ours, and vLLM's unified_attention +
+    selective_state_update where vLLM is importable)."""
+    from modeling.ops import hybrid_decode_ref
+    from modeling.ops.hybrid_decode_triton import hybrid_decode, selective_state_update
+    from modeling.ops.paged_attention_triton import paged_window_attention
+
+    batch, window, context = args.decode_batch, args.window, args.decode_context
+    H, KVH, D, block_size = args.heads, args.kv_heads, args.head_dim, args.block_size
+    E, N = args.serve_channels, 16
+    shape = f"batch {batch}, ctx~{context}, W={window}, {H}x{D} q, {KVH} kv, E={E}"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    seq_lens = torch.randint(context // 2, context + 1, (batch,), generator=gen).to(DEVICE, torch.int32)
+    _, key_cache, value_cache, block_table = paged_kv(batch, seq_lens.tolist(), KVH, D, block_size)
+    query = randn(batch, H, D)
+    scale = D**-0.5
+    num_slots = 2 * batch + 1
+    state_indices = (torch.randperm(num_slots - 1, device=DEVICE)[:batch] + 1).to(torch.int32)
+    ssm_state = randn(num_slots, E, N, dtype=torch.float32)
+    u, dt, z = randn(batch, E), randn(batch, E, scale=0.5), randn(batch, E)
+    B, C = randn(batch, N), randn(batch, N)
+    A = -torch.exp(randn(E, N, dtype=torch.float32, scale=0.5))
+    D_skip, dt_bias = randn(E, dtype=torch.float32), randn(E, dtype=torch.float32, scale=0.5) - 3
+    attn_out, ssm_out = torch.full_like(query, float("nan")), torch.full_like(u, float("nan"))
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
+    ssm_args = (A, B, C, D_skip, z, dt_bias)
+
+    def fused(state):
+        hybrid_decode(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out,
+                      state, u, dt, *ssm_args, state_indices, ssm_out)  # fmt: skip
+
+    def separate(state):
+        paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+                               window, out=attn_out, max_query_len=1, max_seq_len=context)  # fmt: skip
+        selective_state_update(state, u, dt, *ssm_args, state_indices, out=ssm_out)
+
+    state = ssm_state.clone()
+    fused(state)
+    ref_attn, ref_ssm = torch.empty_like(attn_out), torch.empty_like(ssm_out)
+    ref_state = ssm_state.clone()
+    hybrid_decode_ref(query, key_cache, value_cache, block_table, seq_lens, scale, window, ref_attn,
+                      ref_state, u, dt, *ssm_args, state_indices, ref_ssm)  # fmt: skip
+    errs = {"attn": rel_err(attn_out, ref_attn), "ssm": rel_err(ssm_out, ref_ssm), "state": rel_err(state, ref_state)}
+
+    kv_tokens = torch.clamp(seq_lens, max=window).double().sum().item()
+    kv_bytes = kv_tokens * KVH * D * 2 * key_cache.element_size()
+    state_bytes = batch * E * N * 4 * 2 + batch * E * 2 * 4  # state in + out; u, dt, z in, y out
+    total = kv_bytes + state_bytes + 2 * query.numel() * 2
+    work = ssm_state.clone()  # the timed runs keep stepping one state: the values stay bounded (decay < 1)
+    rows = [
+        Row("decode", "Triton fused (1 launch)", shape, median_ms(lambda: fused(work)), bytes=total,
+            rel_err=max(errs.values()), extra=errs),
+        Row("decode", "Triton attention + state update (2 launches)", shape, median_ms(lambda: separate(work)),
+            bytes=total),
+    ]  # fmt: skip
+    if (vllm := vllm_ops()) is not None:
+        seg = 16
+        segm_out = torch.empty(seg, H, 16, triton.next_power_of_2(D), dtype=torch.float32, device=DEVICE)
+        segm_max = torch.empty(seg, H, 16, dtype=torch.float32, device=DEVICE)
+        segm_sum = torch.empty_like(segm_max)
+
+        def vllm_separate():
+            vllm["unified_attention"](
+                q=query, k=key_cache, v=value_cache, out=attn_out, cu_seqlens_q=query_start_loc, max_seqlen_q=1,
+                seqused_k=seq_lens, max_seqlen_k=context, softmax_scale=scale, causal=True,
+                window_size=(window - 1, 0), block_table=block_table, softcap=0, q_descale=None, k_descale=None,
+                v_descale=None, seq_threshold_3D=128 // KVH, num_par_softmax_segments=16,
+                softmax_segm_output=segm_out, softmax_segm_max=segm_max, softmax_segm_expsum=segm_sum,
+            )  # fmt: skip
+            vllm["selective_state_update"](
+                work, u, dt, A, B, C, D_skip, dt_bias, z=z, dt_softplus=True, state_batch_indices=state_indices,
+                out=ssm_out,
+            )  # fmt: skip
+
+        vllm_separate()
+        rows.append(Row("decode", "vLLM unified_attention + selective_state_update", shape,
+                        median_ms(vllm_separate), bytes=total, rel_err=rel_err(attn_out, ref_attn)))  # fmt: skip
+    for row in rows[1:]:
+        row.note = f"fused is {row.ms / rows[0].ms:.2f}x faster"
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+SECTIONS: dict[str, Callable] = {
+    "scan": bench_scan,
+    "conv": bench_conv,
+    "prefill": bench_prefill,
+    "attention": bench_attention,
+    "decode": bench_decode,
+    "train": bench_train_step,
+}
+CEILINGS: dict[str, float] = {}
+
+
+def format_table(rows: list[Row], ceilings: dict) -> str:
+    header = f"{'section':<14} {'variant':<40} {'shape':<44} {'ms':>9} {'rate':>14} {'% ceil':>7} {'rel err':>9}  note"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        rate, share = "", ""
+        if r.bytes:
+            gbps = r.bytes / r.ms / 1e6
+            rate, share = f"{gbps:,.0f} GB/s", f"{100 * gbps / ceilings['copy_GBps']:.0f}%"
+        elif r.flops:
+            tflops = r.flops / r.ms / 1e9
+            rate, share = f"{tflops:,.1f} TFLOP/s", f"{100 * tflops / ceilings['matmul_TFLOPs']:.0f}%"
+        err = "" if r.rel_err is None else f"{r.rel_err:.1e}"
+        lines.append(
+            f"{r.section:<14} {r.variant:<40} {r.shape:<44} {r.ms:>9.3f} {rate:>14} {share:>7} {err:>9}  {r.note}"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    parser.add_argument("--json", help="write the rows and ceilings here")
+    parser.add_argument("--scan-batch", type=int, default=4)
+    parser.add_argument("--scan-seq-len", type=int, default=4096)
+    parser.add_argument("--scan-channels", type=int, default=1024)
+    parser.add_argument("--serve-channels", type=int, default=4096, help="E of the serving benchmarks")
+    parser.add_argument("--prefill-seqs", type=int, default=8)
+    parser.add_argument("--prefill-seq-len", type=int, default=2048)
+    parser.add_argument("--attn-seqs", type=int, default=2)
+    parser.add_argument("--attn-seq-len", type=int, default=8192)
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--train-batch", type=int, default=2)
+    parser.add_argument("--train-seq-len", type=int, default=4096)
+    parser.add_argument("--train-window", type=int, default=1024)
+    parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument("--train-attn", default="sdpa")
+    parser.add_argument("--train-reference", action="store_true", help="also time the PyTorch reference path")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py times kernels on a CUDA GPU; none is visible")
+
+    rows, ceilings = measure_ceilings()
+    CEILINGS.update(ceilings)
+    for name in args.only.split(","):
+        if name not in SECTIONS:
+            sys.exit(f"unknown section {name!r}; choose from {list(SECTIONS)}")
+        section_rows = SECTIONS[name](args)
+        rows += section_rows
+        print(format_table(section_rows, ceilings), flush=True)
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if args.json:
+        Path(args.json).write_text(json.dumps({"info": info, "ceilings": ceilings, "rows": [asdict(r) for r in rows]}))
+    print(f"\n{info}\nceilings: {ceilings}")
+    print(format_table(rows, ceilings))
+
+
+if __name__ == "__main__":
+    main()

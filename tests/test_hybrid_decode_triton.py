@@ -1,0 +1,307 @@
+"""The decode kernels (`selective_state_update`, the fused `hybrid_decode`) against their references in
+hybrid_decode.py, in Triton's interpreter on CPU machines."""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from modeling.ops.hybrid_decode import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The kernel module, imported after conftest has set TRITON_INTERPRET on CPU machines."""
+    return importlib.import_module("modeling.ops.hybrid_decode_triton")
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def random_ssm_inputs(batch, channels, state, num_slots, dtype, state_dtype, g):
+    """Decode-step SSM inputs as vLLM hands them over: u and z are column halves of one [B, 2E] tensor, B and C
+    columns of the x_proj output [B, R + 2N], dt the raw dt_proj output (bias not added)."""
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+    xz = rand(batch, 2 * channels).to(dtype)
+    u, z = xz[:, :channels], xz[:, channels:]
+    dbc = rand(batch, 3 + 2 * state).to(dtype)
+    B, C = dbc[:, 3 : 3 + state], dbc[:, 3 + state :]
+    dt = rand(batch, channels).to(dtype)
+    A = -torch.exp(rand(channels, state, scale=0.5))
+    D, dt_bias = rand(channels), rand(channels) - 2
+    ssm_state = rand(num_slots, channels, state).to(state_dtype)
+    return ssm_state, u, dt, A, B, C, D, z, dt_bias
+
+
+def check_state(state, state_ref, state_before, slots_used, state_dtype):
+    """The updated slots match the reference; every other slot is bit-identical to before the call."""
+    untouched = [s for s in range(state.shape[0]) if s not in slots_used]
+    assert torch.equal(state[untouched], state_before[untouched])
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(state.float(), state_ref.float(), atol=tol, rtol=tol)
+
+
+SSM_CASES = [  # batch, E, N, dtype, state dtype, block_e
+    (5, 40, 16, torch.float32, torch.float32, 16),
+    (4, 33, 5, torch.float32, torch.bfloat16, 8),
+    (6, 48, 16, torch.bfloat16, torch.float32, None),
+    (3, 24, 8, torch.float16, torch.float16, 16),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,channels,state,dtype,state_dtype,block_e",
+    SSM_CASES,
+    ids=[f"B{c[0]}-E{c[1]}-N{c[2]}-{dtype_id(c[3])}-state_{dtype_id(c[4])}-blockE{c[5]}" for c in SSM_CASES],
+)
+def test_selective_state_update_matches_reference(kernels, batch, channels, state, dtype, state_dtype, block_e):
+    g = torch.Generator().manual_seed(batch * channels)
+    num_slots = batch + 4
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
+        batch, channels, state, num_slots, dtype, state_dtype, g
+    )
+    # Permuted slots, row 1 is CUDA-graph padding.
+    state_indices = torch.randperm(num_slots, generator=g)[:batch].to(torch.int32).to(DEVICE)
+    state_indices[1] = -1
+    before = ssm_state.clone()
+    state_ref = ssm_state.clone()
+    out = torch.full_like(u, float("nan"))  # poisoned: every element must be written
+    out_ref = torch.empty_like(u)
+
+    result = kernels.selective_state_update(
+        ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, block_e=block_e
+    )
+    selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, out_ref)
+
+    assert result is out
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    check_state(ssm_state, state_ref, before, set(state_indices.tolist()), state_dtype)
+
+
+def test_selective_state_update_strided_state(kernels):
+    """The state cache may be a strided view (e.g. one half of a larger per-slot buffer)."""
+    g = torch.Generator().manual_seed(7)
+    batch, channels, state, num_slots = 3, 20, 16, 5
+    _, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
+        batch, channels, state, num_slots, torch.float32, torch.float32, g
+    )
+    backing = torch.randn(num_slots, channels, 2 * state, generator=g).to(DEVICE)
+    strided = backing[:, :, 1::2]  # [S, E, N] with element stride 2 and slot stride 2EN
+    state_ref = strided.clone()
+    state_indices = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
+    backing_before = backing.clone()
+    out, out_ref = torch.full_like(u, float("nan")), torch.empty_like(u)
+    kernels.selective_state_update(strided, u, dt, A, B, C, D, z, dt_bias, state_indices, out)
+    selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, out_ref)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(strided, state_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(backing[:, :, 0::2], backing_before[:, :, 0::2])  # the other half is not touched
+    assert torch.equal(backing[[1, 3]], backing_before[[1, 3]])
+
+
+def make_paged_kv(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, layout, g):
+    """A paged KV cache holding each request's context at permuted physical blocks.
+
+    layout "triton": one [NB, KVH, P, 2D] tensor, K and V handed out as `transpose(1, 2).split(D, -1)` views (vLLM's
+    Triton backend); "flash": [2, NB, P, KVH, D]. Block 0 is the null block. Blocks wholly before the window point
+    at it, and it, like every slot outside a request's window (older tokens of the window's first block, the unused
+    end of the last block), holds NaN: a kernel that reads any of them fails."""
+    blocks_per_request = [math.ceil(n / page_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_request) + 2
+    if layout == "triton":
+        packed = torch.randn(num_blocks, num_kv_heads, page_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = packed.transpose(1, 2).split(head_dim, dim=-1)
+    else:
+        packed = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = packed[0], packed[1]
+    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_request) + 1, dtype=torch.int32)
+    key_cache[0] = value_cache[0] = float("nan")
+    for i, seq_len in enumerate(seq_lens):
+        start = 0 if window is None else max(0, seq_len - window)
+        for j in range(blocks_per_request[i]):
+            if (j + 1) * page_size <= start:
+                continue  # freed: stays on the null block
+            block = physical.pop()
+            block_table[i, j] = block
+            for slot in range(page_size):
+                if not start <= j * page_size + slot < seq_len:
+                    key_cache[block, slot] = value_cache[block, slot] = float("nan")
+    return key_cache, value_cache, block_table.to(DEVICE)
+
+
+DECODE_CASES = [  # dtype, head dim, page, (H, KVH), window, layout, state dtype, block_n, splits
+    (torch.float32, 16, 16, (4, 4), 7, "triton", torch.float32, 16, 1),
+    (torch.bfloat16, 32, 32, (8, 2), 20, "triton", torch.bfloat16, 16, 3),
+    (torch.float16, 16, 16, (8, 2), None, "flash", torch.float32, 16, 2),
+    (torch.float32, 32, 16, (8, 2), 100, "triton", torch.bfloat16, 16, 4),
+    (torch.bfloat16, 16, 32, (4, 4), 5, "flash", torch.float32, None, None),
+    (torch.float32, 24, 16, (6, 2), 33, "triton", torch.float32, 32, 2),
+]
+
+
+def decode_id(case) -> str:
+    dtype, head_dim, page, (heads, kv_heads), window, layout, state_dtype, block_n, splits = case
+    return (
+        f"{dtype_id(dtype)}-D{head_dim}-P{page}-H{heads}kv{kv_heads}-W{window}-{layout}-state_{dtype_id(state_dtype)}"
+        f"-bn{block_n}-split{splits}"
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,page_size,heads,window,layout,state_dtype,block_n,splits",
+    DECODE_CASES,
+    ids=[decode_id(c) for c in DECODE_CASES],
+)
+def test_hybrid_decode_matches_reference(
+    kernels, dtype, head_dim, page_size, heads, window, layout, state_dtype, block_n, splits
+):
+    num_heads, num_kv_heads = heads
+    g = torch.Generator().manual_seed(head_dim * page_size + num_heads)
+    # Contexts of odd lengths, a single-token one, and a CUDA-graph padding row (seq_len 0, slot -1) at index 2.
+    seq_lens = [37, 1, 0, 64, 23, 50]
+    batch, channels, state, num_slots = len(seq_lens), 40, 16, 9
+    key_cache, value_cache, block_table = make_paged_kv(
+        seq_lens, window, page_size, num_kv_heads, head_dim, dtype, layout, g
+    )
+    qkv = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+    query = qkv[:, :num_heads]  # [B, H, D] view with vLLM's fused-projection row stride
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
+        batch, channels, state, num_slots, dtype, state_dtype, g
+    )
+    state_indices = torch.tensor([7, 2, -1, 5, 0, 3], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    state_before, state_ref = ssm_state.clone(), ssm_state.clone()
+    attn_out = torch.full_like(query, float("nan"))  # poisoned: every element must be written
+    ssm_out = torch.full_like(u, float("nan"))
+    attn_ref, ssm_ref = torch.empty_like(query), torch.empty_like(u)
+
+    result = kernels.hybrid_decode(
+        *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
+        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+        block_n=block_n,
+        num_splits=splits,
+        block_e=16,
+    )
+    hybrid_decode_ref(
+        *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_ref),
+        *(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_ref),
+    )
+
+    assert result[0] is attn_out and result[1] is ssm_out
+    torch.testing.assert_close(attn_out.float(), attn_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(ssm_out.float(), ssm_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(attn_out[2], torch.zeros_like(attn_out[2])) and torch.equal(ssm_out[2], torch.zeros_like(u[2]))
+    check_state(ssm_state, state_ref, state_before, set(state_indices.tolist()), state_dtype)
+
+
+def test_hybrid_decode_split_counters_reset(kernels):
+    """With split-K a persistent counter buffer comes back zeroed, so a second launch (a CUDA-graph replay, the next
+    layer) merges its splits correctly too."""
+    g = torch.Generator().manual_seed(3)
+    seq_lens, window, num_heads, num_kv_heads, head_dim = [29, 45, 12], 24, 4, 2, 16
+    key_cache, value_cache, block_table = make_paged_kv(
+        seq_lens, window, 16, num_kv_heads, head_dim, torch.float32, "triton", g
+    )
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEVICE)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(3, 16, 4, 4, torch.float32, torch.float32, g)
+    state_indices = torch.tensor([1, 3, 0], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    attn_ref = window_attention_decode_ref(
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, torch.empty_like(query)
+    )
+    for _ in range(2):
+        attn_out = torch.full_like(query, float("nan"))
+        kernels.hybrid_decode(
+            *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
+            *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u)),
+            block_n=16,
+            num_splits=3,
+            counters=counters,
+        )
+        assert torch.equal(counters, torch.zeros_like(counters))
+        torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_name_the_tensor(kernels):
+    g = torch.Generator().manual_seed(0)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(2, 16, 4, 3, torch.float32, torch.float32, g)
+    out = torch.empty_like(u)
+    with pytest.raises(AssertionError, match="state_indices"):
+        kernels.selective_state_update(
+            ssm_state, u, dt, A, B, C, D, z, dt_bias, torch.tensor([0, 1], device=DEVICE), out
+        )
+    with pytest.raises(AssertionError, match="ssm_state"):
+        kernels.selective_state_update(
+            ssm_state[:, :8],
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dt_bias,
+            torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+            out,
+        )
+    key_cache, value_cache, block_table = make_paged_kv([5, 9], None, 16, 2, 16, torch.float32, "flash", g)
+    query = torch.randn(2, 4, 16, generator=g).to(DEVICE)
+    with pytest.raises(AssertionError, match="value_cache"):
+        kernels.hybrid_decode(
+            *(
+                query,
+                key_cache,
+                value_cache.half(),
+                block_table,
+                torch.tensor([5, 9], dtype=torch.int32, device=DEVICE),
+            ),
+            *(0.25, None, torch.empty_like(query)),
+            *(ssm_state, u, dt, A, B, C, D, z, dt_bias, torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), out),
+        )
+
+
+def test_softplus_of_raw_dt(kernels):
+    """dt is the raw dt_proj output: the kernel adds the bias and takes softplus, including the linear region
+    above 20 and tiny steps far below zero."""
+    g = torch.Generator().manual_seed(1)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(4, 16, 4, 4, torch.float32, torch.float32, g)
+    dt = torch.tensor([-30.0, -8.0, 0.5, 25.0], device=DEVICE)[:, None].expand(4, 16).contiguous()
+    A = A / 30  # keep exp(dt * A) away from 0 for the large steps, so the state still carries information
+    state_indices = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
+    state_ref = ssm_state.clone()
+    out, out_ref = torch.full_like(u, float("nan")), torch.empty_like(u)
+    kernels.selective_state_update(ssm_state, u, dt, A, B, C, D, z, dt_bias * 0, state_indices, out)
+    selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias * 0, state_indices, out_ref)
+    torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_batch_launches_nothing(kernels):
+    """A step without decodes (all tokens are prefills) returns the empty outputs without a launch."""
+    g = torch.Generator().manual_seed(2)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(0, 16, 4, 3, torch.float32, torch.float32, g)
+    state_before = ssm_state.clone()
+    key_cache, value_cache, block_table = make_paged_kv([5], 4, 16, 2, 16, torch.float32, "flash", g)
+    query = torch.empty(0, 4, 16, device=DEVICE)
+    no_ints = torch.empty(0, dtype=torch.int32, device=DEVICE)
+    attn_out, ssm_out = kernels.hybrid_decode(
+        *(query, key_cache, value_cache, block_table[:0], no_ints, 0.25, 4, torch.empty_like(query)),
+        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, no_ints, torch.empty_like(u)),
+    )
+    assert attn_out.shape == (0, 4, 16) and ssm_out.shape == (0, 16)
+    assert torch.equal(ssm_state, state_before)

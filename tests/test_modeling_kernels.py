@@ -1,0 +1,88 @@
+"""The Transformers model on its Triton kernels against itself on the PyTorch references: same logits, same
+gradients, same cached generation. On CPU machines the kernels run in Triton's interpreter (the model takes them
+only for CUDA tensors, so these tests hand them over explicitly); on a GPU, the model picks them by itself."""
+
+import pytest
+import torch
+
+from modeling import modeling_hybrid
+from modeling.modeling_hybrid import HybridSSM
+
+pytest.importorskip("triton")
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def kernels_on_cpu(monkeypatch):
+    """Hands the Triton kernels (interpreted on CPU) to every SSM branch whose config allows them."""
+    if ON_GPU:
+        return
+    kernels = (modeling_hybrid.causal_conv1d_fn, modeling_hybrid.selective_scan_fn)
+    references = (modeling_hybrid.causal_conv1d_ref, modeling_hybrid.selective_scan_ref)
+    monkeypatch.setattr(HybridSSM, "_ops_for", lambda self, hidden: kernels if self.use_kernels else references)
+
+
+def kernel_and_reference_models(make_model, dtype=torch.float32, **overrides):
+    """Two copies of one model (same seed): on the kernels, and forced onto the references by its config."""
+    kernel_model = make_model(**overrides).to(DEVICE, dtype)
+    reference_model = make_model(use_ssm_kernels=False, **overrides).to(DEVICE, dtype)
+    return kernel_model, reference_model
+
+
+def test_model_picks_kernels_for_cuda_tensors_unless_told_not_to(make_model):
+    references = (modeling_hybrid.causal_conv1d_ref, modeling_hybrid.selective_scan_ref)
+    ssm = make_model().model.layers[0].self_attn.ssm
+    assert ssm._ops_for(torch.randn(1, 3, 48)) == references, "CPU tensors take the reference path"
+    if ON_GPU:
+        ssm = ssm.cuda()
+        hidden = torch.randn(1, 3, 48, device="cuda")
+        assert ssm._ops_for(hidden) == (modeling_hybrid.causal_conv1d_fn, modeling_hybrid.selective_scan_fn)
+        ssm_reference = make_model(use_ssm_kernels=False).model.layers[0].self_attn.ssm.cuda()
+        assert ssm_reference._ops_for(hidden) == references
+
+
+@pytest.mark.parametrize("with_padding", [False, True], ids=["unpadded", "left-padded"])
+def test_logits_and_gradients_match_the_reference_path(make_model, kernels_on_cpu, with_padding):
+    kernel_model, reference_model = kernel_and_reference_models(make_model)
+    kernel_model.train(), reference_model.train()
+    input_ids = torch.randint(3, 97, (2, 19), device=DEVICE)
+    attention_mask = torch.ones_like(input_ids)
+    if with_padding:
+        attention_mask[1, :5] = 0
+    losses = []
+    for model in (kernel_model, reference_model):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, labels=input_ids)
+        out.loss.backward()
+        losses.append(out)
+    torch.testing.assert_close(losses[0].logits, losses[1].logits, atol=1e-4, rtol=1e-4)
+    reference_grads = dict(reference_model.named_parameters())
+    for name, param in kernel_model.named_parameters():
+        torch.testing.assert_close(param.grad, reference_grads[name].grad, atol=2e-4, rtol=1e-3, msg=name)
+
+
+def test_cached_generation_matches_the_reference_path(make_model, kernels_on_cpu):
+    """Prefill, then decoding with the cached conv history and state: the kernels' initial-state paths."""
+    kernel_model, reference_model = kernel_and_reference_models(make_model)
+    input_ids = torch.randint(3, 97, (2, 11), device=DEVICE)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = kernel_model.generate(input_ids, **kwargs)
+        ref = reference_model.generate(input_ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 parity of the compiled kernels is checked on a GPU")
+def test_bf16_logits_match_the_reference_path_on_gpu(make_model):
+    kernel_model, reference_model = kernel_and_reference_models(
+        make_model, torch.bfloat16, hidden_size=256, ssm_intermediate_size=512, sliding_window=64
+    )
+    input_ids = torch.randint(3, 97, (4, 300), device=DEVICE)
+    with torch.no_grad():
+        logits = kernel_model(input_ids).logits.float()
+        reference = reference_model(input_ids).logits.float()
+    # Both paths keep the state in fp32; they differ in bf16 rounding of u, y and the conv.
+    assert ((logits - reference).norm() / reference.norm()).item() < 1e-2
+    assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.97

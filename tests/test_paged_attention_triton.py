@@ -1,0 +1,169 @@
+"""The Triton paged sliding-window attention against `paged_window_attention_ref`, in Triton's interpreter on CPU
+machines: mixed batches of prefills, chunked prefills and decodes in vLLM's paged layouts, with everything the
+kernel must not read (freed blocks, slots before the window or past the sequence) poisoned with NaN."""
+
+import importlib
+
+import pytest
+import torch
+
+from modeling.ops.paged_attention import paged_window_attention_ref
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+NULL_BLOCK = 0  # vLLM points freed and unused table entries at a null block; here it is full of NaN
+
+
+@pytest.fixture(scope="module")
+def attention():
+    """The kernel, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET before triton loads)."""
+    return importlib.import_module("modeling.ops.paged_attention_triton").paged_window_attention
+
+
+def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, window, dtype, layout="triton", pad_tokens=0,
+               seed=0):  # fmt: skip
+    """Packed queries and a paged cache for sequences given as (seq_len, q_len).
+
+    Physical blocks are handed out in a random order (block 0 is the null block). Blocks wholly before the window of
+    a sequence's first query are "freed": their table entries point at the null block. Every cache slot no query may
+    see (before that window, past the sequence, the null block, blocks nobody owns) holds NaN.
+    `layout`: "triton" = vLLM's Triton backend views `kv.transpose(1, 2).split(D, -1)` of one [NB, KVH, BS, 2D]
+    tensor; "flash" = [2, NB, BS, KVH, D]. `pad_tokens` query rows past the last sequence stand for CUDA-graph
+    padding.
+    """
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
+    max_blocks = max(blocks_per_seq) + 1  # a spare column: table entries past a sequence's end
+    num_blocks = 1 + sum(blocks_per_seq) + 3  # null block, the sequences' blocks, blocks nobody owns
+    # Views are taken on the device: moving a view would make it contiguous.
+    if layout == "triton":
+        kv = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
+    else:
+        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = kv[0], kv[1]
+    visible = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    block_table = torch.full((len(seqs), max_blocks), NULL_BLOCK, dtype=torch.int32)
+    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for i, (seq_len, q_len) in enumerate(seqs):
+        first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        for j in range(blocks_per_seq[i]):
+            block = physical.pop()
+            if (j + 1) * block_size <= first_key:
+                continue  # freed: the table entry stays on the null block
+            block_table[i, j] = block
+            slots = torch.arange(block_size) + j * block_size
+            visible[block] = (slots >= first_key) & (slots < seq_len)
+    key_cache[~visible.to(DEVICE)] = float("nan")
+    value_cache[~visible.to(DEVICE)] = float("nan")
+
+    q_lens = [q_len for _, q_len in seqs]
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32)
+    num_tokens = sum(q_lens) + pad_tokens
+    # Queries as vLLM slices them out of the fused qkv projection: a strided view.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    metadata = (t.to(DEVICE) for t in (block_table, query_start_loc, seq_lens))
+    return query, key_cache, value_cache, *metadata
+
+
+def poisoned_out(query):
+    """An output buffer that is a strided view (rows of a wider buffer), full of NaN: unwritten rows fail."""
+    num_tokens, num_heads, head_dim = query.shape
+    wide = torch.full((num_tokens, num_heads, head_dim + 8), float("nan"), dtype=query.dtype, device=query.device)
+    return wide[..., :head_dim]
+
+
+def check(attention, batch, window, **kwargs):
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens = batch
+    scale = query.shape[-1] ** -0.5
+    out = poisoned_out(query)
+    result = attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window, out,
+                       **kwargs)  # fmt: skip
+    expected = paged_window_attention_ref(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window
+    )
+    assert result is out
+    assert torch.isfinite(expected).all(), "the reference read a poisoned slot"
+    tol = TOLERANCE[query.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+MIXED = [(37, 37), (45, 9), (23, 1), (50, 1), (0, 0), (17, 17), (33, 2)]  # (seq_len, q_len): every kind, a padding row
+CASES = [  # seqs, H, KVH, D, block_size, window, dtype, layout
+    (MIXED, 4, 4, 16, 16, 5, torch.float32, "triton"),
+    (MIXED, 4, 1, 32, 16, 16, torch.float32, "triton"),
+    (MIXED, 6, 2, 16, 32, 11, torch.float32, "flash"),
+    (MIXED, 4, 1, 16, 16, 64, torch.float32, "triton"),
+    (MIXED, 2, 2, 32, 32, None, torch.float32, "triton"),
+    (MIXED, 4, 1, 32, 16, 7, torch.bfloat16, "triton"),
+    (MIXED, 8, 2, 16, 16, 20, torch.float16, "flash"),
+    (MIXED, 4, 4, 32, 32, None, torch.bfloat16, "triton"),
+]
+
+
+def case_id(case):
+    _, heads, kv_heads, head_dim, block_size, window, dtype, layout = case
+    return f"H{heads}-KVH{kv_heads}-D{head_dim}-BS{block_size}-W{window}-{str(dtype)[6:]}-{layout}"
+
+
+@pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,dtype,layout", CASES,
+                         ids=[case_id(c) for c in CASES])  # fmt: skip
+def test_mixed_batch_matches_reference(attention, seqs, heads, kv_heads, head_dim, block_size, window, dtype, layout):
+    batch = make_batch(seqs, heads, kv_heads, head_dim, block_size, window, dtype, layout, pad_tokens=3)
+    check(attention, batch, window)
+
+
+TILINGS = [  # block_q, block_n, num_splits: many query blocks and key tiles, so every mask phase runs
+    (1, 16, 1),
+    (4, 16, 1),
+    (2, 32, 3),
+    (16, 16, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "block_q,block_n,num_splits", TILINGS, ids=[f"BQ{c[0]}-BN{c[1]}-split{c[2]}" for c in TILINGS]
+)
+@pytest.mark.parametrize("window", [6, 19, None], ids=lambda w: f"W{w}")
+def test_tilings_match_reference(attention, block_q, block_n, num_splits, window):
+    seqs = [(37, 13), (23, 1), (0, 0), (20, 20), (33, 2)]
+    batch = make_batch(seqs, 4, 2, 16, 16, window, torch.float32, pad_tokens=2, seed=1)
+    check(attention, batch, window, block_q=block_q, block_n=block_n, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4], ids=lambda n: f"split{n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_decode_batch_reads_only_the_window(attention, num_splits, dtype):
+    """Decode launch (max_query_len=1): long contexts, short window; everything before the window is NaN/freed."""
+    seqs = [(70, 1), (16, 1), (95, 1), (1, 1), (0, 0)]
+    batch = make_batch(seqs, 8, 2, 32, 16, 24, dtype, pad_tokens=1, seed=2)
+    check(attention, batch, 24, max_query_len=1, max_seq_len=95, num_splits=num_splits)
+
+
+def test_permuted_and_shared_tables_and_int64_metadata(attention):
+    """A non-contiguous table view (every other row of a bigger table) and int64 metadata."""
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(
+        MIXED, 4, 2, 16, 16, 9, torch.float32, seed=3
+    )
+    wide = torch.full((2 * block_table.shape[0], block_table.shape[1]), -7, dtype=torch.int32, device=DEVICE)
+    wide[::2] = block_table
+    batch = query, key_cache, value_cache, wide[::2], query_start_loc.long(), seq_lens.long()
+    check(attention, batch, 9)
+
+
+def test_bad_inputs_are_named(attention):
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(
+        [(5, 5)], 4, 2, 16, 16, 4, torch.float32
+    )
+    with pytest.raises(AssertionError, match="dtype"):
+        attention(query, key_cache.half(), value_cache.half(), block_table, query_start_loc, seq_lens, 0.25, 4)
+    with pytest.raises(AssertionError, match="kv heads"):
+        attention(query[:, :3], key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 4)
+    with pytest.raises(AssertionError, match="query_start_loc"):
+        attention(query, key_cache, value_cache, block_table, query_start_loc[:1], seq_lens, 0.25, 4)
+    with pytest.raises(AssertionError, match="window"):
+        attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 0)
