@@ -63,19 +63,19 @@ def randn(*shape, dtype=torch.bfloat16, scale=1.0):
 # Ceilings
 
 
-def measure_ceilings() -> tuple[list[Row], dict]:
+def measure_ceilings(copy_elements=2**29, matmul_n=8192) -> tuple[list[Row], dict]:
     """Copy bandwidth (bytes read + written) over 2 GiB, and a bf16 8192^3 matmul on random data."""
-    src = torch.randn(2**29, device=DEVICE)  # 2 GiB fp32
+    src = torch.randn(copy_elements, device=DEVICE)  # 2 GiB fp32
     dst = torch.empty_like(src)
     copy_ms = median_ms(lambda: dst.copy_(src))
     copy_bytes = 2 * src.numel() * src.element_size()
-    a, b = randn(8192, 8192), randn(8192, 8192)
+    a, b = randn(matmul_n, matmul_n), randn(matmul_n, matmul_n)
     mm_ms = median_ms(lambda: a @ b)
-    mm_flops = 2 * 8192**3
+    mm_flops = 2 * matmul_n**3
     ceilings = {"copy_GBps": copy_bytes / copy_ms / 1e6, "matmul_TFLOPs": mm_flops / mm_ms / 1e9}
     rows = [
-        Row("ceiling", "device-to-device copy", "2 GiB fp32", copy_ms, bytes=copy_bytes),
-        Row("ceiling", "bf16 matmul (cuBLAS)", "8192^3", mm_ms, flops=mm_flops),
+        Row("ceiling", "device-to-device copy", f"{copy_bytes / 2**31:.0f} GiB fp32", copy_ms, bytes=copy_bytes),
+        Row("ceiling", "bf16 matmul (cuBLAS)", f"{matmul_n}^3", mm_ms, flops=mm_flops),
     ]
     return rows, ceilings
 
@@ -265,6 +265,8 @@ def bench_conv(args) -> list[Row]:
 
 def vllm_ops():
     """vLLM's own kernels when vLLM (CUDA build) is importable, else None."""
+    if DEVICE != "cuda":
+        return None
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
         from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_scan_fn, selective_state_update
@@ -518,6 +520,89 @@ def bench_decode(args) -> list[Row]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Launch-configuration sweeps: one knob at a time around each kernel's default, at the benchmark shapes
+
+
+def sweep(section: str, shape: str, run: Callable[..., object], grid: dict[str, list]) -> list[Row]:
+    """Times `run(**{knob: value})` for each value of each knob (the others at their defaults); the default first."""
+    rows = [Row(section, "default", shape, median_ms(run, rep_ms=100))]
+    for knob, values in grid.items():
+        for value in values:
+            try:
+                ms = median_ms(lambda: run(**{knob: value}), rep_ms=100)  # noqa: B023 - timed before the loop moves
+            except Exception as error:  # noqa: BLE001 - a config that does not compile or fit is a result too
+                rows.append(Row(section, f"{knob}={value}", shape, math.nan, note=f"{type(error).__name__}"))
+                continue
+            rows.append(Row(section, f"{knob}={value}", shape, ms, note=f"{rows[0].ms / ms:.2f}x default"))
+    return rows
+
+
+def bench_sweeps(args) -> list[Row]:
+    from modeling.ops.causal_conv1d_triton import causal_conv1d_bwd, causal_conv1d_fwd
+    from modeling.ops.hybrid_decode_triton import hybrid_decode
+    from modeling.ops.paged_attention_triton import paged_window_attention
+    from modeling.ops.selective_scan_triton import selective_scan_fn
+
+    rows = []
+    batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
+    shape = f"B={batch} T={seq_len} E={channels} N=16"
+    inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
+    dy = randn(batch, seq_len, channels)
+
+    def scan_fwd_bwd(**knobs):
+        y, _ = selective_scan_fn(*inputs, **knobs)
+        return torch.autograd.grad(y, inputs, dy)
+
+    rows += sweep("sweep scan f+b", shape, scan_fwd_bwd, {
+        "chunk": [32, 64, 256, 512], "block_e": [8, 32], "num_warps": [1, 4], "bwd_num_warps": [2, 8],
+        "unroll": [2], "seg": [8, 32],
+    })  # fmt: skip
+
+    xz = randn(batch, seq_len, 2 * channels)
+    x, weight, bias = xz[..., :channels], randn(channels, 4, scale=0.5), randn(channels)
+    rows += sweep("sweep conv fwd", shape, lambda **k: causal_conv1d_fwd(x, weight, bias, "silu", **k), {
+        "block_t": [16, 64], "block_e": [64, 256], "num_warps": [4, 16],
+    })  # fmt: skip
+    rows += sweep("sweep conv bwd", shape, lambda **k: causal_conv1d_bwd(x, weight, bias, x, "silu", **k), {
+        "block_t": [8, 32], "block_e": [64, 256], "num_warps": [4, 8], "rows_per_program": [256, 4096],
+    })  # fmt: skip
+
+    H, KVH, D, block_size, window = args.heads, args.kv_heads, args.head_dim, args.block_size, args.window
+    num_seqs, attn_len = args.attn_seqs, args.attn_seq_len
+    _, key_cache, value_cache, block_table = paged_kv(num_seqs, [attn_len] * num_seqs, KVH, D, block_size)
+    query = randn(num_seqs * attn_len, H, D)
+    seq_lens = torch.full((num_seqs,), attn_len, dtype=torch.int32, device=DEVICE)
+    query_start_loc = torch.arange(0, num_seqs * attn_len + 1, attn_len, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(query)
+    rows += sweep(
+        "sweep attn",
+        f"{num_seqs} x {attn_len}, W={window}",
+        lambda **k: paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+                                           D**-0.5, window, out=out, max_query_len=attn_len, max_seq_len=attn_len, **k),
+        {"block_q": [8, 64], "block_n": [32, 128], "num_warps": [4], "num_stages": [2, 4]},
+    )  # fmt: skip
+
+    decode_batch, context, E = args.decode_batch, args.decode_context, args.serve_channels
+    dec_lens = torch.full((decode_batch,), context, dtype=torch.int32, device=DEVICE)
+    _, key_cache, value_cache, block_table = paged_kv(decode_batch, [context] * decode_batch, KVH, D, block_size)
+    q1, attn_out = randn(decode_batch, H, D), torch.empty(decode_batch, H, D, dtype=torch.bfloat16, device=DEVICE)
+    state = randn(decode_batch, E, 16, dtype=torch.float32)
+    idx = torch.arange(decode_batch, dtype=torch.int32, device=DEVICE)
+    u, dt, z, ssm_out = randn(decode_batch, E), randn(decode_batch, E), randn(decode_batch, E), randn(decode_batch, E)
+    Bm, Cm = randn(decode_batch, 16), randn(decode_batch, 16)
+    A = -torch.exp(randn(E, 16, dtype=torch.float32))
+    Dv, dt_bias = randn(E, dtype=torch.float32), randn(E, dtype=torch.float32)
+    rows += sweep(
+        "sweep decode",
+        f"batch {decode_batch}, ctx {context}, W={window}",
+        lambda **k: hybrid_decode(q1, key_cache, value_cache, block_table, dec_lens, D**-0.5, window, attn_out, state,
+                                  u, dt, A, Bm, Cm, Dv, z, dt_bias, idx, ssm_out, **k),
+        {"block_n": [32, 128], "num_splits": [2, 4], "num_warps": [8], "num_stages": [3, 4], "block_e": [64, 256]},
+    )  # fmt: skip
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable] = {
     "scan": bench_scan,
@@ -526,6 +611,7 @@ SECTIONS: dict[str, Callable] = {
     "attention": bench_attention,
     "decode": bench_decode,
     "train": bench_train_step,
+    "sweep": bench_sweeps,
 }
 CEILINGS: dict[str, float] = {}
 
@@ -550,7 +636,11 @@ def format_table(rows: list[Row], ceilings: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {list(SECTIONS)}")
+    parser.add_argument(
+        "--only",
+        default="scan,conv,prefill,attention,decode,train",
+        help=f"comma-separated sections of {list(SECTIONS)}",
+    )
     parser.add_argument("--json", help="write the rows and ceilings here")
     parser.add_argument("--scan-batch", type=int, default=4)
     parser.add_argument("--scan-seq-len", type=int, default=4096)
@@ -573,11 +663,16 @@ def main():
     parser.add_argument("--train-steps", type=int, default=5)
     parser.add_argument("--train-attn", default="sdpa")
     parser.add_argument("--train-reference", action="store_true", help="also time the PyTorch reference path")
+    parser.add_argument("--smoke", action="store_true", help="CPU wiring check (set TRITON_INTERPRET=1, tiny sizes)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke:  # a CPU run of the whole script at toy sizes, kernels in Triton's interpreter: checks the wiring
+        global DEVICE
+        DEVICE = "cpu"
+        triton.testing.do_bench = lambda fn, **kwargs: (fn(), 1.0)[1]
+    elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py times kernels on a CUDA GPU; none is visible")
 
-    rows, ceilings = measure_ceilings()
+    rows, ceilings = measure_ceilings(*((2**16, 64) if args.smoke else ()))
     CEILINGS.update(ceilings)
     for name in args.only.split(","):
         if name not in SECTIONS:
@@ -586,7 +681,7 @@ def main():
         rows += section_rows
         print(format_table(section_rows, ceilings), flush=True)
     info = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in as few calls to the lent H200 as possible (each call: at most 10 minutes).
+# Run from the repository root on the CUDA machine; logs and JSON go to $OUT (the device tool brings them back).
+#
+#   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
+#   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (bench_kernels --only sweep)
+#   bash scripts/device_check.sh vllm      # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm)
+#
+# The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
+# that downloads them) and installed to /tmp/site.
+set -uo pipefail
+OUT=${OUT:-outputs/device}
+mkdir -p "$OUT"
+if ! python3 -c "import pytest" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
+git log -1 --format='commit %H %s' 2>/dev/null || true
+
+case "${1:-kernels}" in
+  kernels)
+    python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
+      tests/test_paged_attention_triton.py tests/test_hybrid_decode_triton.py tests/test_modeling_kernels.py \
+      tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
+    python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+    ;;
+  sweep)
+    python3 scripts/bench_kernels.py --only sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80
+    ;;
+  vllm)
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    python3 -m pytest -q -p no:warnings -x tests/test_vllm.py 2>&1 | tee "$OUT/pytest_vllm.log" | tail -30
+    ;;
+  *)
+    echo "usage: $0 kernels|sweep|vllm" >&2
+    exit 2
+    ;;
+esac
