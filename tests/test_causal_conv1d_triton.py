@@ -105,7 +105,7 @@ def test_backward_sums_partials_of_many_programs(ops, activation):
     """Several row ranges per sequence, several row blocks per range and several channel blocks: the dweight / dbias
     partials of every program are summed, and every dx row is written once."""
     x, weight, bias, history = train_inputs(2, 23, 21, 4, torch.float32, torch.float32, True, True, seed=3)
-    dy = torch.randn(2, 23, 21, generator=torch.Generator().manual_seed(4))
+    dy = torch.randn(2, 23, 21, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     dx, dweight, dbias = ops.causal_conv1d_bwd(
         x, weight, bias, dy, activation, history, block_t=4, block_e=8, rows_per_program=8
     )

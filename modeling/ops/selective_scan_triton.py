@@ -566,8 +566,9 @@ class ScanBlocks(NamedTuple):
 
 def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
     """Defaults from the shapes, any keyword given (not None) taking precedence. 16 channels per program: a
-    [16, N] fp32 state block; 2 warps forward (~60 registers a thread at N = 16: many programs per SM, hiding each
-    other's load latency), 4 backward (its step holds ~4x more live values). Chunks only as short as needed for
+    [16, N] fp32 state block; 1 warp forward and 2 backward at N = 16, measured on the H200 (`bench_kernels.py --only
+    sweep`, B=4 T=4096 E=1024, 2026-11-29: fwd+bwd 3.42 ms at 2/4 warps, 3.27 ms with a 1-warp forward, 2.91 ms
+    with a 2-warp backward, 5.16 ms with 8): many small programs per SM hide each other's load latency. Chunks only as short as needed for
     ~4096 programs (~30 per H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element)."""
     block_e = overrides.get("block_e") or 16
     programs = num_seqs * triton.cdiv(num_channels, block_e)
@@ -578,8 +579,8 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
         chunk=chunk,
         seg=min(overrides.get("seg") or 16, chunk),
         unroll=overrides.get("unroll") or 1,
-        num_warps=overrides.get("num_warps") or max(1, min(8, block_size // 128)),
-        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, block_size // 64)),
+        num_warps=overrides.get("num_warps") or max(1, min(8, block_size // 256)),
+        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, block_size // 128)),
     )
     if (
         blocks.chunk % blocks.seg
