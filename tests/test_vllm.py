@@ -117,6 +117,33 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     assert_matches_hf(model, prompts, result["outputs"])
 
 
+BF16_NOISE = 0.1  # nats: a top-2 logprob gap below this may flip under bf16 rounding (logits of size ~10, 2^-8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 serving is checked on the GPU")
+def test_bf16_greedy_follows_transformers_until_a_near_tie(checkpoints):
+    """vLLM in bf16 (Triton kernels, CUDA graphs, torch.compile) against Transformers in fp32: each request's tokens
+    are Transformers' until the first step where Transformers' two best tokens are within bf16 noise; after such a
+    near tie the continuations may legitimately differ, so the comparison stops there."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=3)
+    result = run_vllm(vllm_dir, prompts, dtype="bfloat16")
+    compared = 0
+    for prompt, output in zip(prompts, result["outputs"]):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)  # fmt: skip
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        for step, (got, want, scores) in enumerate(zip(output["token_ids"], tokens, out.scores)):
+            top2 = torch.log_softmax(scores[0], -1).topk(2).values
+            if got != want:
+                gap = (top2[0] - top2[1]).item()
+                assert gap < BF16_NOISE, f"prompt {len(prompt)}, step {step}: {got} != {want} with a gap of {gap:.3f}"
+                break
+            compared += 1
+    assert compared >= len(prompts) * MAX_TOKENS // 2, f"only {compared} tokens compared before near ties"
+
+
 def test_vllm_serve_openai_completions(checkpoints, tmp_path):
     """A real `vllm serve` subprocess, on the unconverted Transformers checkpoint (the other tests serve the converted
     one): the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a bad request with 400 and
