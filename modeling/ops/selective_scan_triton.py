@@ -37,6 +37,10 @@ import torch
 import triton
 import triton.language as tl
 
+# exp(x) = exp2(x * log2(e)); A is pre-scaled by LOG2E once per program so each step's decay is a single ex2.approx.ftz
+# (tl.exp lowers to a non-ftz ex2 wrapped in a multiply and a denormal range fix-up: 5 instructions instead of 1).
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def _softplus(x):
@@ -90,6 +94,7 @@ def _selective_scan_fwd_kernel(
     p_cu_seqlens,
     p_chunk_h,
     p_chunk_dtsum,
+    p_seg_h,
     T,
     E,
     N,
@@ -118,7 +123,9 @@ def _selective_scan_fwd_kernel(
     USE_STATE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
+    SAVE_SEG_H: tl.constexpr,
     CHUNK: tl.constexpr,
+    SEG: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -126,7 +133,8 @@ def _selective_scan_fwd_kernel(
     """One (sequence, channel block, chunk). STAGE 0: the chunk's end state from a zero start and its sum of dt,
     into the chunk buffers [S, num_chunks, E, N] / [S, num_chunks, E]. STAGE 1: y for the chunk from its true start
     state (the chunk buffer after the combine when CHUNKED, else the sequence's initial state), and the final state
-    when not CHUNKED (the combine writes it otherwise)."""
+    when not CHUNKED (the combine writes it otherwise); SAVE_SEG_H (training): also the state entering every SEG-th
+    step, into `p_seg_h` [S, cdiv(T, SEG), E, N] fp32, the backward's recompute checkpoints."""
     i_s, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
     t_start = i_c * CHUNK
@@ -140,7 +148,7 @@ def _selective_scan_fwd_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_e, m_n = o_e < E, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    b_A2 = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32) * LOG2E
     b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
     if DT_SOFTPLUS:
         b_dt_bias = tl.load(p_dt_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
@@ -166,6 +174,8 @@ def _selective_scan_fwd_kernel(
     p_B += i_s * s_B_b
     p_C += i_s * s_C_b
     p_y += i_s * s_y_b
+    if SAVE_SEG_H:
+        p_seg_h += i_s * tl.cdiv(T, SEG) * E * N
     # Prefetch (module docstring): step t + 1's loads are issued before step t's arithmetic and store of y.
     row = bos + t_start
     b_u = _load_row(p_u, row, s_u_t, o_e, m_e)
@@ -184,9 +194,12 @@ def _selective_scan_fwd_kernel(
             b_z_next = _load_row(p_z, row + 1, s_z_t, o_e, m_e & has_next)
             b_Ct_next = _load_row(p_C, row + 1, s_C_t, o_n, m_n & has_next)
 
+        if SAVE_SEG_H:
+            if (t - t_start) % SEG == 0:
+                tl.store(p_seg_h + (t // SEG) * E * N + o_e[:, None] * N + o_n[None, :], b_h, mask=m_en)
         if DT_SOFTPLUS:
             b_dt = _softplus(b_dt + b_dt_bias)
-        b_h = tl.exp(b_dt[:, None] * b_A) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
         if STAGE == 0:
             b_dtsum += b_dt
         else:
@@ -249,7 +262,7 @@ def _selective_scan_chunk_combine_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_e, m_n = o_e < E, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    b_A2 = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32) * LOG2E
     if HAS_FIRST:
         m_first = m_en & is_real
         if USE_STATE_INDICES:
@@ -278,7 +291,7 @@ def _selective_scan_chunk_combine_kernel(
         b_local_next = tl.load(p_chunk_h + i_next * E * N + o_blk, mask=m_en & has_next, other=0.0)
         b_dtsum_next = tl.load(p_chunk_dtsum + i_next * E + o_e, mask=m_e & has_next, other=0.0)
         tl.store(p_chunk_h + i_c * E * N + o_blk, b_carry, mask=m_en)
-        b_carry = tl.exp(b_dtsum[:, None] * b_A) * b_carry + b_local
+        b_carry = tl.exp2(b_dtsum[:, None] * b_A2) * b_carry + b_local
         b_local, b_dtsum, i_c = b_local_next, b_dtsum_next, i_next
 
     if STORE_LAST:
@@ -289,7 +302,7 @@ def _selective_scan_chunk_combine_kernel(
 @triton.jit
 def _recompute_states(
     b_h,
-    b_A,
+    b_A2,
     p_u,
     p_dt,
     p_B,
@@ -319,7 +332,7 @@ def _recompute_states(
         b_Bt_next = _load_row(p_B, t + 1, s_B_t, o_n, m_n & has_next)
         if STORE:
             tl.store(p_seg + (t - t_lo) * b_h.numel + o_blk, b_h)
-        b_h = tl.exp(b_dt[:, None] * b_A) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
         b_u, b_dt, b_Bt = b_u_next, b_dt_next, b_Bt_next
     return b_h
 
@@ -339,6 +352,7 @@ def _selective_scan_bwd_kernel(
     p_dh0,
     p_chunk_h,
     p_chunk_dh,
+    p_seg_h,
     p_scratch,
     p_du,
     p_ddt,
@@ -367,6 +381,7 @@ def _selective_scan_bwd_kernel(
     CHUNKED: tl.constexpr,
     HAS_H0: tl.constexpr,
     HAS_DHT: tl.constexpr,
+    SEG_H_SAVED: tl.constexpr,
     CHUNK: tl.constexpr,
     SEG: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -376,7 +391,9 @@ def _selective_scan_bwd_kernel(
     """One (batch row, channel block, chunk) of the backward, walking the chunk in reverse with the adjoint
     P_t = dL/dh_{t-1} = a_t * G_t, G_t = dL/dh_t = dy'_t C_t + P_{t+1} (dy' = dy * silu(z)).
     STAGE 0: the P leaving the chunk at its start from a zero right edge, into `p_chunk_dh` [B, num_chunks, E, N].
-    STAGE 1: all gradients; the right-edge adjoint is `p_chunk_dh` after the combine when CHUNKED, else dL/dh_T.
+    STAGE 1: all gradients; the right-edge adjoint is `p_chunk_dh` after the combine when CHUNKED, else dL/dh_T;
+    the segment checkpoints come from the forward (`p_seg_h` [B, cdiv(T, SEG), E, N]) when SEG_H_SAVED, else from
+    a recompute pass over the chunk into the scratch.
     Gradient buffers are contiguous: du, ddt, dz [B, T, E]; dB/dC partials [E / BLOCK_E, B, T, N]; dA partials
     [B, num_chunks, E, N]; dD partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED)."""
     i_b, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -387,7 +404,7 @@ def _selective_scan_bwd_kernel(
     o_n = tl.arange(0, BLOCK_N)
     m_e, m_n = o_e < E, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    b_A2 = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32) * LOG2E
     b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
     o_chunk = (i_b * num_chunks + i_c).to(tl.int64)
     o_chunk_h = o_chunk * E * N + o_e[:, None] * N + o_n[None, :]
@@ -416,48 +433,56 @@ def _selective_scan_bwd_kernel(
             b_dy_next = _load_row(p_dy, t - 1, s_dy_t, o_e, m_e & has_next)
             b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
             b_G = (b_dy * b_z * tl.sigmoid(b_z))[:, None] * b_Ct[None, :] + b_P
-            b_P = tl.exp(b_dt[:, None] * b_A) * b_G
+            b_P = tl.exp2(b_dt[:, None] * b_A2) * b_G
             b_dt, b_z, b_dy, b_Ct = b_dt_next, b_z_next, b_dy_next, b_Ct_next
         tl.store(p_chunk_dh + o_chunk_h, b_P, mask=m_en)
     else:
-        # Per-program scratch: NUM_SEG checkpoints, then the SEG states h_{t-1} of the segment being walked. Every
-        # element is written and read back by the same thread (same block shape and layout); the barriers order
-        # the phases anyway.
+        # Per-program scratch: the SEG states h_{t-1} of the segment being walked, then (unless the forward saved
+        # them) the NUM_SEG segment checkpoints. Every element is written and read back by the same thread (same
+        # block shape and layout); the barriers order the phases anyway.
         NUM_SEG: tl.constexpr = CHUNK // SEG
         i_prog = ((i_b * tl.num_programs(1) + i_e) * tl.num_programs(2) + i_c).to(tl.int64)
-        p_scratch += i_prog * (NUM_SEG + SEG) * BLOCK_E * BLOCK_N
         o_blk = tl.arange(0, BLOCK_E)[:, None] * BLOCK_N + o_n[None, :]
-
-        if CHUNKED:
-            b_h = tl.load(p_chunk_h + o_chunk_h, mask=m_en, other=0.0)
-        elif HAS_H0:
-            b_h = tl.load(p_h0 + o_state, mask=m_en, other=0.0)
-        else:
-            b_h = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
         segs_in_chunk = tl.cdiv(t_end - t_start, SEG)
-        for j in range(segs_in_chunk):
-            tl.store(p_scratch + j * BLOCK_E * BLOCK_N + o_blk, b_h)
-            seg_start = t_start + j * SEG
-            b_h = _recompute_states(
-                b_h,
-                b_A,
-                p_u,
-                p_dt,
-                p_B,
-                s_u_t,
-                s_dt_t,
-                s_B_t,
-                o_e,
-                o_n,
-                m_e,
-                m_n,
-                seg_start,
-                tl.minimum(seg_start + SEG, t_end),
-                p_scratch,
-                o_blk,
-                STORE=False,
-                UNROLL=UNROLL,
-            )
+        if SEG_H_SAVED:
+            p_seg = p_scratch + i_prog * SEG * BLOCK_E * BLOCK_N
+            p_ckpt = p_seg_h + (i_b * tl.cdiv(T, SEG) + i_c * NUM_SEG) * E * N
+            s_ckpt = E * N
+            o_ckpt = o_e[:, None] * N + o_n[None, :]
+        else:
+            p_seg = p_scratch + i_prog * (NUM_SEG + SEG) * BLOCK_E * BLOCK_N
+            p_ckpt = p_seg + SEG * BLOCK_E * BLOCK_N
+            s_ckpt = BLOCK_E * BLOCK_N
+            o_ckpt = o_blk
+            if CHUNKED:
+                b_h = tl.load(p_chunk_h + o_chunk_h, mask=m_en, other=0.0)
+            elif HAS_H0:
+                b_h = tl.load(p_h0 + o_state, mask=m_en, other=0.0)
+            else:
+                b_h = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
+            for j in range(segs_in_chunk):
+                tl.store(p_ckpt + j * s_ckpt + o_ckpt, b_h)
+                seg_start = t_start + j * SEG
+                b_h = _recompute_states(
+                    b_h,
+                    b_A2,
+                    p_u,
+                    p_dt,
+                    p_B,
+                    s_u_t,
+                    s_dt_t,
+                    s_B_t,
+                    o_e,
+                    o_n,
+                    m_e,
+                    m_n,
+                    seg_start,
+                    tl.minimum(seg_start + SEG, t_end),
+                    p_seg,
+                    o_blk,
+                    STORE=False,
+                    UNROLL=UNROLL,
+                )
 
         if CHUNKED:
             b_P = tl.load(p_chunk_dh + o_chunk_h, mask=m_en, other=0.0)
@@ -467,16 +492,15 @@ def _selective_scan_bwd_kernel(
             b_P = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
         b_dA = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
         b_dD = tl.zeros([BLOCK_E], dtype=tl.float32)
-        p_seg = p_scratch + NUM_SEG * BLOCK_E * BLOCK_N
         for jj in range(segs_in_chunk):
             j = segs_in_chunk - 1 - jj
             seg_start = t_start + j * SEG
             seg_end = tl.minimum(seg_start + SEG, t_end)
             tl.debug_barrier()
-            b_h = tl.load(p_scratch + j * BLOCK_E * BLOCK_N + o_blk)
+            b_h = tl.load(p_ckpt + j * s_ckpt + o_ckpt, mask=m_en, other=0.0)
             _recompute_states(
                 b_h,
-                b_A,
+                b_A2,
                 p_u,
                 p_dt,
                 p_B,
@@ -516,7 +540,7 @@ def _selective_scan_bwd_kernel(
                 b_Bt_next = _load_row(p_B, t - 1, s_B_t, o_n, m_n & has_next)
                 b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
 
-                b_a = tl.exp(b_dt[:, None] * b_A)
+                b_a = tl.exp2(b_dt[:, None] * b_A2)
                 b_ah = b_a * b_h_prev  # [BLOCK_E, BLOCK_N]
                 b_h = b_ah + (b_dt * b_u)[:, None] * b_Bt[None, :]
                 b_sig = tl.sigmoid(b_z)
@@ -525,7 +549,7 @@ def _selective_scan_bwd_kernel(
                 b_dz = b_dy * b_pre * b_sig * (1.0 + b_z * (1.0 - b_sig))
                 b_G = b_dpre[:, None] * b_Ct[None, :] + b_P  # dL/dh_t
                 b_GB = tl.sum(b_G * b_Bt[None, :], axis=1)
-                b_GahA = tl.sum(b_G * b_ah * b_A, axis=1)
+                b_GahA = tl.sum(b_G * b_ah * b_A2, axis=1) * (1.0 / LOG2E)  # with A, not A * LOG2E
                 b_du = b_dt * b_GB + b_dpre * b_D
                 b_ddt = b_u * b_GB + b_GahA
                 b_dBt = tl.sum(b_G * (b_dt * b_u)[:, None], axis=0)
@@ -554,7 +578,10 @@ class ScanBlocks(NamedTuple):
     """Launch shape, exposed so benchmarks can sweep it. block_e: channels per program; chunk: steps per time chunk
     (a power of two; chunk >= the longest sequence runs one chunk per sequence: forward stage 1 alone, no combine);
     seg: steps per backward recompute segment (divides chunk); unroll: unroll factor of the per-step loops (on top
-    of the one-step load prefetch); num_warps / bwd_num_warps: warps per forward / backward program."""
+    of the one-step load prefetch); num_warps / bwd_num_warps: warps per forward / backward program; bwd_block_e:
+    channels per backward program; save_seg_states: the training forward saves the state entering every seg-th
+    step (fp32 [B, cdiv(T, seg), E, N]: N / seg fp32 values per token and channel kept for the backward), which
+    spares the backward a recompute pass."""
 
     block_e: int
     chunk: int
@@ -562,6 +589,8 @@ class ScanBlocks(NamedTuple):
     unroll: int
     num_warps: int
     bwd_num_warps: int
+    bwd_block_e: int
+    save_seg_states: bool
 
 
 def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
@@ -573,6 +602,7 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
     block_e = overrides.get("block_e") or 16
     programs = num_seqs * triton.cdiv(num_channels, block_e)
     chunk = overrides.get("chunk") or max(64, triton.next_power_of_2(triton.cdiv(max_seq_len * programs, 4096)))
+    bwd_block_e = overrides.get("bwd_block_e") or block_e
     block_size = block_e * triton.next_power_of_2(state_size)
     blocks = ScanBlocks(
         block_e=block_e,
@@ -580,14 +610,13 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
         seg=min(overrides.get("seg") or 16, chunk),
         unroll=overrides.get("unroll") or 1,
         num_warps=overrides.get("num_warps") or max(1, min(8, block_size // 256)),
-        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, block_size // 128)),
+        bwd_num_warps=overrides.get("bwd_num_warps")
+        or max(1, min(8, bwd_block_e * triton.next_power_of_2(state_size) // 128)),
+        bwd_block_e=bwd_block_e,
+        save_seg_states=overrides.get("save_seg_states", True),
     )
-    if (
-        blocks.chunk % blocks.seg
-        or triton.next_power_of_2(chunk) != chunk
-        or triton.next_power_of_2(block_e) != block_e
-    ):
-        raise ValueError(f"{blocks}: chunk and block_e must be powers of two and seg must divide chunk")
+    if blocks.chunk % blocks.seg or any(triton.next_power_of_2(x) != x for x in (chunk, block_e, bwd_block_e)):
+        raise ValueError(f"{blocks}: chunk, block_e and bwd_block_e must be powers of two and seg must divide chunk")
     return blocks
 
 
@@ -625,11 +654,13 @@ def _scan_forward(
     state_indices=None,
     has_initial_state=None,
     dt_bias=None,
+    seg_states=None,
 ):
     """Forward launcher shared by training and serving. u, dt, z, y: [B, T, E] or packed [T_total, E] (then
     `cu_seqlens` [S + 1] delimits the sequences); B, C likewise with N; initial_state / final_state: [rows, E, N]
     any strides, indexed by `state_indices` [S] (negative = padding sequence) or by batch row, and the same tensor
-    when the cache is updated in place; `has_initial_state` [S] bool masks the initial-state read per sequence.
+    when the cache is updated in place; `has_initial_state` [S] bool masks the initial-state read per sequence;
+    `seg_states` [S, cdiv(T, seg), E, N] fp32 (training only) receives the backward's segment checkpoints.
     Returns the chunk start states [S, num_chunks, E, N] fp32 (None when one chunk covers every sequence) and the
     chunks' sums of dt [S, num_chunks, E], which the backward reuses."""
     num_channels, state_size = A.shape
@@ -671,6 +702,7 @@ def _scan_forward(
             p_has_h0=has_initial_state if has_initial_state is not None else dummy,
             p_chunk_h=chunk_h if chunked else dummy,
             p_chunk_dtsum=chunk_dtsum if chunked else dummy,
+            p_seg_h=seg_states if seg_states is not None and stage == 1 else dummy,
             T=seq_len,
             E=num_channels,
             N=state_size,
@@ -697,6 +729,8 @@ def _scan_forward(
             CHUNKED=chunked,
             HAS_H0=initial_state is not None,
             DT_SOFTPLUS=dt_bias is not None,
+            SAVE_SEG_H=seg_states is not None and stage == 1,
+            SEG=blocks.seg,
             UNROLL=blocks.unroll,
             **optional,
             **meta,
