@@ -49,26 +49,30 @@ def random_training_inputs(batch, seq_len, channels, state, dtype, seed=0):
     }
 
 
-TRAIN_CASES = [  # batch, T, E, N, dtype of u/z/B/C, with initial state, chunk (None: one chunk per sequence), seg
-    (2, 13, 20, 16, torch.float32, False, None, 16),
-    (3, 7, 33, 5, torch.float32, True, None, 16),
-    (1, 1, 16, 16, torch.float32, True, None, 16),
-    (2, 37, 24, 8, torch.float32, True, 16, 4),
-    (1, 40, 18, 16, torch.float32, False, 8, 8),
-    (2, 19, 24, 16, torch.bfloat16, True, 8, 4),
-    (2, 9, 18, 8, torch.float16, False, None, 4),
+TRAIN_CASES = [  # batch, T, E, N, dtype of u/z/B/C, with initial state, chunk (None: one chunk per sequence), seg,
+    # segment checkpoints saved by the forward (else recomputed by the backward), backward block_e (None: block_e)
+    (2, 13, 20, 16, torch.float32, False, None, 16, True, None),
+    (3, 7, 33, 5, torch.float32, True, None, 16, False, None),
+    (1, 1, 16, 16, torch.float32, True, None, 16, True, None),
+    (2, 37, 24, 8, torch.float32, True, 16, 4, False, 8),
+    (1, 40, 18, 16, torch.float32, False, 8, 8, True, 32),
+    (2, 19, 24, 16, torch.bfloat16, True, 8, 4, True, None),
+    (2, 9, 18, 8, torch.float16, False, None, 4, False, None),
 ]
 
 
 @pytest.mark.parametrize(
-    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg",
+    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg,save_seg_states,bwd_block_e",
     TRAIN_CASES,
     ids=[
         f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}-chunk{c[6]}-seg{c[7]}"
+        f"-{'saved' if c[8] else 'recomputed'}-bwd_block_e{c[9]}"
         for c in TRAIN_CASES
     ],
 )
-def test_training_forward_backward(scan, batch, seq_len, channels, state, dtype, with_initial, chunk, seg):
+def test_training_forward_backward(
+    scan, batch, seq_len, channels, state, dtype, with_initial, chunk, seg, save_seg_states, bwd_block_e
+):
     inputs = random_training_inputs(batch, seq_len, channels, state, dtype)
     if not with_initial:
         inputs["initial_state"] = None
@@ -88,7 +92,9 @@ def test_training_forward_backward(scan, batch, seq_len, channels, state, dtype,
     leaves = {k: v.detach().to(DEVICE).requires_grad_() for k, v in kernel_inputs.items() if k not in ("u", "z")}
     xz.requires_grad_()
     u, z = xz.chunk(2, dim=-1)
-    y, final = scan.selective_scan_fn(u=u, z=z, **leaves, chunk=chunk, seg=seg)
+    y, final = scan.selective_scan_fn(
+        u=u, z=z, **leaves, chunk=chunk, seg=seg, save_seg_states=save_seg_states, bwd_block_e=bwd_block_e
+    )
     ((y.float() * dy.float().to(DEVICE)).sum() + (final * d_final.float().to(DEVICE)).sum()).backward()
 
     tol = TOL[dtype]

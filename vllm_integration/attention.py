@@ -28,7 +28,7 @@ from vllm.utils.torch_utils import (
     _resolve_layer_name,
     direct_register_custom_op,
 )
-from vllm.v1.attention.backend import AttentionBackend
+from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.selector import get_attn_backend
 
@@ -101,14 +101,26 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
 def hybrid_attention_backend(
     base_backend: type[AttentionBackend], impl_mixin: type[HybridAttentionImplMixin]
 ) -> type[AttentionBackend]:
-    """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata builder and name (vLLM looks
-    backends up by name), with the hybrid impl."""
+    """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata and name (vLLM looks backends
+    up by name), with the hybrid impl.
+
+    Its builder declares no full-CUDA-graph support, so vLLM runs the model in piecewise CUDA graphs with the hybrid
+    op between them (still torch.compile'd). Why: vLLM replays its full "uniform decode" graph for any batch whose
+    requests all have one new token, including a request whose whole prompt is one token (or whose last prefill
+    chunk is), and Mamba-1's metadata builder refreshes the graph's state-slot buffer only for batches without
+    prefills; the replayed decode path would then continue that request from a stale slot instead of from zero
+    (measured on the H200: a one-token prompt alone gave logprobs 0.01 off). Full graphs need a builder that also
+    keeps the decode buffers of such batches, plus a zero-start flag in the decode kernels."""
     impl_cls = base_backend.get_impl_cls()
     hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
+    builder_cls = base_backend.get_builder_cls()
+    hybrid_builder = type(
+        f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": AttentionCGSupport.NEVER}
+    )
     return type(
         f"HybridAttentionBackend_{base_backend.__name__}",
         (base_backend,),
-        {"get_impl_cls": staticmethod(lambda: hybrid_impl)},
+        {"get_impl_cls": staticmethod(lambda: hybrid_impl), "get_builder_cls": staticmethod(lambda: hybrid_builder)},
     )
 
 

@@ -15,10 +15,12 @@ When (sequence, channel block) programs alone fill the GPU, one chunk spans the 
 The backward mirrors it in reverse time with the adjoint P_t = dL/dh_{t-1} = a_t * (dy'_t C_t + P_{t+1}): stage 0
 gives each chunk's adjoint carry from a zero right edge, the same combine kernel (reversed) turns them into each
 chunk's true right-edge adjoint, and stage 1 walks each chunk backwards. Stage 1 needs h_{t-1} at every step in
-reverse order: it recomputes them (never h_{t-1} = (h_t - b_t) / a_t, which is unstable) with two-level
-checkpointing in a per-program global scratch: the state at every SEG-th step of the chunk, then, one segment at a
-time from the last, the SEG states of that segment. A program rewrites the same small scratch region for every
-segment, so it stays in L2. The final state's gradient seeds the adjoint at the right edge.
+reverse order: it recomputes them (never h_{t-1} = (h_t - b_t) / a_t, which is unstable) from checkpoints, the
+state entering every SEG-th step: saved by the training forward (`save_seg_states`, the default), else recomputed
+by a first pass over the chunk into a per-program global scratch. Then, one segment at a time from the last, it
+writes the SEG states of that segment to the scratch and walks them backwards. A program rewrites the same small
+scratch region for every segment, so it stays in L2. The final state's gradient seeds the adjoint at the right
+edge.
 
 Every per-step loop prefetches: step t +- 1's loads are issued before step t's arithmetic and stores (the compiler
 may not move loads across stores to possibly aliasing pointers), so a program has two steps of loads in flight;
@@ -27,7 +29,7 @@ many small programs per SM (2 warps forward) hide the rest of the latency.
 dB and dC reduce over channels, which live in different programs: each program writes its partial sum over its
 BLOCK_E channels to a [E / BLOCK_E, B, T, N] fp32 buffer summed in torch afterwards: deterministic, unlike atomics,
 at the cost of E * N / BLOCK_E fp32 values per token each (at N = BLOCK_E = 16, one fp32 [B, T, E] tensor's worth;
-a larger block_e shrinks it). dA and dD (sums over batch and time) are written per (sequence, chunk) program and
+a larger bwd_block_e shrinks it). dA and dD (sums over batch and time) are written per (sequence, chunk) program and
 summed likewise.
 """
 
@@ -765,14 +767,17 @@ def _scan_forward(
     return chunk_h, chunk_dtsum
 
 
-def _scan_backward(u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, blocks: ScanBlocks):
-    """Backward launcher (training layout [B, T, E]); chunk_h / chunk_dtsum as `_scan_forward` returned them.
-    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state) in the dtypes of the inputs."""
+def _scan_backward(
+    u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, seg_states, blocks: ScanBlocks
+):
+    """Backward launcher (training layout [B, T, E]); chunk_h / chunk_dtsum as `_scan_forward` returned them,
+    seg_states as it filled them (or None: the backward recomputes them). Returns (du, ddt, dA, dB, dC, dD, dz,
+    d_initial_state) in the dtypes of the inputs."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = triton.next_power_of_2(state_size)
     num_chunks = triton.cdiv(seq_len, blocks.chunk)
-    num_eblocks = triton.cdiv(num_channels, blocks.block_e)
+    num_eblocks = triton.cdiv(num_channels, blocks.bwd_block_e)
     chunked = chunk_h is not None
     du = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
     ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)
@@ -784,11 +789,13 @@ def _scan_backward(u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_dh = torch.empty_like(chunk_h) if chunked else None
     grid = (batch_size, num_eblocks, num_chunks)
-    # Per program: chunk / seg checkpoints and one segment of states, each [BLOCK_E, BLOCK_N] fp32.
-    scratch_per_program = (blocks.chunk // blocks.seg + blocks.seg) * blocks.block_e * block_n
+    # Per program: one segment of states and, unless the forward saved them, the chunk's segment checkpoints, each
+    # [BLOCK_E, BLOCK_N] fp32.
+    states_per_program = blocks.seg + (0 if seg_states is not None else blocks.chunk // blocks.seg)
+    scratch_per_program = states_per_program * blocks.bwd_block_e * block_n
     scratch = u.new_empty(grid[0] * grid[1] * grid[2] * scratch_per_program, dtype=torch.float32)
     dummy = du
-    meta = {"CHUNK": blocks.chunk, "BLOCK_E": blocks.block_e, "BLOCK_N": block_n, "num_warps": blocks.bwd_num_warps}
+    meta = {"CHUNK": blocks.chunk, "BLOCK_E": blocks.bwd_block_e, "BLOCK_N": block_n, "num_warps": blocks.bwd_num_warps}
 
     def launch_stage(stage: int) -> None:
         _selective_scan_bwd_kernel[grid](
@@ -805,6 +812,7 @@ def _scan_backward(u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk
             d_initial if d_initial is not None else dummy,
             chunk_h if chunked else dummy,
             chunk_dh if chunked else dummy,
+            seg_states if seg_states is not None else dummy,
             scratch,
             du,
             ddt,
@@ -833,6 +841,7 @@ def _scan_backward(u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk
             CHUNKED=chunked,
             HAS_H0=initial_state is not None,
             HAS_DHT=d_final_state is not None,
+            SEG_H_SAVED=seg_states is not None,
             SEG=blocks.seg,
             UNROLL=blocks.unroll,
             **meta,
@@ -880,6 +889,11 @@ class SelectiveScanFn(torch.autograd.Function):
         batch_size, seq_len, num_channels = u.shape
         y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
         final_state = u.new_empty(batch_size, num_channels, A.shape[-1], dtype=torch.float32)
+        seg_states = None
+        if blocks.save_seg_states:
+            seg_states = u.new_empty(
+                batch_size, triton.cdiv(seq_len, blocks.seg), num_channels, A.shape[-1], dtype=torch.float32
+            )
         chunk_h, chunk_dtsum = _scan_forward(
             u,
             dt,
@@ -895,20 +909,21 @@ class SelectiveScanFn(torch.autograd.Function):
             num_seqs=batch_size,
             seq_len=seq_len,
             max_seq_len=seq_len,
+            seg_states=seg_states,
         )
-        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states)
         ctx.blocks = blocks
         return y, final_state
 
     @staticmethod
     def backward(ctx, dy, d_final_state):
-        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum = ctx.saved_tensors
+        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.float().contiguous()
         grads = _scan_backward(
-            u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, ctx.blocks
+            u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, seg_states, ctx.blocks
         )
         return *grads, None
 
@@ -929,6 +944,8 @@ def selective_scan_fn(
     unroll: int | None = None,
     num_warps: int | None = None,
     bwd_num_warps: int | None = None,
+    bwd_block_e: int | None = None,
+    save_seg_states: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable Triton selective scan with the contract of `selective_scan_ref` (selective_scan.py).
 
@@ -937,8 +954,10 @@ def selective_scan_fn(
             halves of one [B, T, 2E] tensor) are read in place.
         A: [E, N] (fp32). B, C: [B, T, N]. D: [E].
         initial_state: [B, E, N] or None (zeros).
-        block_e, chunk, seg, unroll, num_warps, bwd_num_warps: launch shape (`ScanBlocks`); None picks it from the
-            shapes.
+        block_e, chunk, seg, unroll, num_warps, bwd_num_warps, bwd_block_e: launch shape (`ScanBlocks`); None picks
+            it from the shapes.
+        save_seg_states: keep every seg-th state from the forward for the backward (`ScanBlocks`): faster backward,
+            fp32 [B, cdiv(T, seg), E, N] more saved activations; False recomputes them in the backward.
 
     Returns:
         y [B, T, E] in u's dtype and the final state [B, E, N] fp32. Gradients flow to every input (dA, dD, and
@@ -971,6 +990,11 @@ def selective_scan_fn(
         unroll=unroll,
         num_warps=num_warps,
         bwd_num_warps=bwd_num_warps,
+        bwd_block_e=bwd_block_e,
+        # Without a backward to come (inference, no_grad) the checkpoints would be written for nothing.
+        save_seg_states=save_seg_states
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (u, dt, A, B, C, D, z, initial_state)),
     )
     if seq_len == 0:  # nothing to scan; keeps the kernels free of empty-grid corner cases
         final_state = (
