@@ -537,6 +537,44 @@ def sweep(section: str, shape: str, run: Callable[..., object], grid: dict[str, 
     return rows
 
 
+SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd+bwd as whole combinations
+    {"bwd_num_warps": 1},
+    {"bwd_block_e": 32, "bwd_num_warps": 1},
+    {"bwd_block_e": 32, "bwd_num_warps": 2},
+    {"bwd_block_e": 64, "bwd_num_warps": 2},
+    {"block_e": 32, "num_warps": 1, "bwd_num_warps": 1},
+    {"block_e": 32, "num_warps": 1, "bwd_block_e": 32, "bwd_num_warps": 1},
+    {"block_e": 32, "num_warps": 1, "bwd_block_e": 32, "bwd_num_warps": 1, "chunk": 256},
+    {"save_seg_states": False},
+    {"bwd_block_e": 32, "bwd_num_warps": 1, "seg": 8},
+    {"bwd_block_e": 32, "bwd_num_warps": 1, "seg": 32},
+]
+
+
+def bench_scan_sweep(args) -> list[Row]:
+    """The training scan's launch settings as combinations (fwd+bwd), and the forward alone at two channel blocks."""
+    from modeling.ops.selective_scan_triton import selective_scan_fn
+
+    batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
+    shape = f"B={batch} T={seq_len} E={channels} N=16"
+    inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
+    dy = randn(batch, seq_len, channels)
+
+    def fwd_bwd(knobs):
+        y, _ = selective_scan_fn(*inputs, **knobs)
+        return torch.autograd.grad(y, inputs, dy)
+
+    rows = [Row("scan combos", "default", shape, median_ms(lambda: fwd_bwd({}), rep_ms=100))]
+    for knobs in SCAN_COMBOS:
+        ms = median_ms(lambda: fwd_bwd(knobs), rep_ms=100)  # noqa: B023 - timed before the loop moves on
+        rows.append(Row("scan combos", json.dumps(knobs), shape, ms, note=f"{rows[0].ms / ms:.2f}x default"))
+    with torch.no_grad():
+        for knobs in ({}, {"block_e": 32, "num_warps": 1}, {"block_e": 16, "num_warps": 2}):
+            ms = median_ms(lambda: selective_scan_fn(*inputs, **knobs), rep_ms=100)  # noqa: B023
+            rows.append(Row("scan fwd", json.dumps(knobs) or "default", shape, ms))
+    return rows
+
+
 def bench_sweeps(args) -> list[Row]:
     from modeling.ops.causal_conv1d_triton import causal_conv1d_bwd, causal_conv1d_fwd
     from modeling.ops.hybrid_decode_triton import hybrid_decode
@@ -612,6 +650,7 @@ SECTIONS: dict[str, Callable] = {
     "decode": bench_decode,
     "train": bench_train_step,
     "sweep": bench_sweeps,
+    "scan_sweep": bench_scan_sweep,
 }
 CEILINGS: dict[str, float] = {}
 
