@@ -596,24 +596,28 @@ class ScanBlocks(NamedTuple):
 
 
 def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
-    """Defaults from the shapes, any keyword given (not None) taking precedence. 16 channels per program: a
-    [16, N] fp32 state block; 1 warp forward and 2 backward at N = 16, measured on the H200 (`bench_kernels.py --only
-    sweep`, B=4 T=4096 E=1024, 2026-11-29: fwd+bwd 3.42 ms at 2/4 warps, 3.27 ms with a 1-warp forward, 2.91 ms
-    with a 2-warp backward, 5.16 ms with 8): many small programs per SM hide each other's load latency. Chunks only as short as needed for
-    ~4096 programs (~30 per H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element)."""
-    block_e = overrides.get("block_e") or 16
+    """Defaults from the shapes, any keyword given (not None) taking precedence.
+
+    Measured on the H200 (`bench_kernels.py --only scan_sweep`, bf16, B=4 T=4096 E=1024 N=16, 2026-11-29), fwd+bwd:
+    32 channels per program and ONE warp, forward and backward (a [32, 16] fp32 state block, 16 values per
+    thread), 1.44 ms; 16 channels with 1/2 warps 2.33 ms; 16 channels with a 1-warp backward 1.79 ms; 64-channel
+    backward with 2 warps 1.59 ms. With one warp Triton's reductions over the block are shuffles, not shared-memory
+    round trips, and many small programs per SM hide each other's load latency. Larger N keeps 16 values per thread
+    with more warps (not measured). Chunks only as short as needed for ~4096 programs (~30 per H200 SM): every
+    chunk boundary costs a stage-0 rerun (one more exp per element); chunk 256 instead of the picked 128 measured
+    the same (1.42 ms)."""
+    block_n = triton.next_power_of_2(state_size)
+    block_e = overrides.get("block_e") or (32 if block_n <= 16 else 16)
     programs = num_seqs * triton.cdiv(num_channels, block_e)
     chunk = overrides.get("chunk") or max(64, triton.next_power_of_2(triton.cdiv(max_seq_len * programs, 4096)))
     bwd_block_e = overrides.get("bwd_block_e") or block_e
-    block_size = block_e * triton.next_power_of_2(state_size)
     blocks = ScanBlocks(
         block_e=block_e,
         chunk=chunk,
         seg=min(overrides.get("seg") or 16, chunk),
         unroll=overrides.get("unroll") or 1,
-        num_warps=overrides.get("num_warps") or max(1, min(8, block_size // 256)),
-        bwd_num_warps=overrides.get("bwd_num_warps")
-        or max(1, min(8, bwd_block_e * triton.next_power_of_2(state_size) // 128)),
+        num_warps=overrides.get("num_warps") or max(1, min(8, block_e * block_n // 512)),
+        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, bwd_block_e * block_n // 512)),
         bwd_block_e=bwd_block_e,
         save_seg_states=overrides.get("save_seg_states", True),
     )
