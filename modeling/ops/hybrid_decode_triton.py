@@ -30,17 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _softplus(x):
-    """softplus as torch computes it (linear above 20) with log1p's accuracy for small exp(x), which tl lacks:
-    log(w) * e / (w - 1) with w = 1 + e cancels the rounding of w (Goldberg's log1p)."""
-    b_e = tl.exp(tl.minimum(x, 20.0))
-    b_w = 1.0 + b_e
-    b_e_rounded = b_w - 1.0
-    m_tiny = b_e_rounded == 0.0  # 1 + e == 1: log1p(e) == e to fp32 precision
-    b_log1p = tl.where(m_tiny, b_e, tl.log(b_w) * (b_e / tl.where(m_tiny, 1.0, b_e_rounded)))
-    return tl.where(x > 20.0, x, b_log1p)
+from .triton_math import softplus
 
 
 @triton.jit
@@ -94,7 +84,7 @@ def _ssm_update_block(
     b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
     b_dt_bias = tl.load(p_dt_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
 
-    b_dt = _softplus(b_dt + b_dt_bias)
+    b_dt = softplus(b_dt + b_dt_bias)
     b_state = tl.exp(b_dt[:, None] * b_A) * b_state + (b_dt * b_u)[:, None] * b_B[None, :]
     b_y = tl.sum(b_state * b_C[None, :], axis=1) + b_D * b_u
     b_y = b_y * b_z * tl.sigmoid(b_z)

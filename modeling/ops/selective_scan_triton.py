@@ -39,15 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_math import softplus
+
 # exp(x) = exp2(x * log2(e)); A is pre-scaled by LOG2E once per program so each step's decay is a single ex2.approx.ftz
 # (tl.exp lowers to a non-ftz ex2 wrapped in a multiply and a denormal range fix-up: 5 instructions instead of 1).
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _softplus(x):
-    # Large inputs pass through: exp would overflow and softplus(x) == x to fp32 precision there.
-    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
 
 
 @triton.jit
@@ -200,7 +196,7 @@ def _selective_scan_fwd_kernel(
             if (t - t_start) % SEG == 0:
                 tl.store(p_seg_h + (t // SEG) * E * N + o_e[:, None] * N + o_n[None, :], b_h, mask=m_en)
         if DT_SOFTPLUS:
-            b_dt = _softplus(b_dt + b_dt_bias)
+            b_dt = softplus(b_dt + b_dt_bias)
         b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
         if STAGE == 0:
             b_dtsum += b_dt
@@ -799,7 +795,12 @@ def _scan_backward(
     scratch_per_program = states_per_program * blocks.bwd_block_e * block_n
     scratch = u.new_empty(grid[0] * grid[1] * grid[2] * scratch_per_program, dtype=torch.float32)
     dummy = du
-    meta = {"CHUNK": blocks.chunk, "BLOCK_E": blocks.bwd_block_e, "BLOCK_N": block_n, "num_warps": blocks.bwd_num_warps}
+    meta = {
+        "CHUNK": blocks.chunk,
+        "BLOCK_E": blocks.bwd_block_e,
+        "BLOCK_N": block_n,
+        "num_warps": blocks.bwd_num_warps,
+    }
 
     def launch_stage(stage: int) -> None:
         _selective_scan_bwd_kernel[grid](
