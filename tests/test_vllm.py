@@ -93,6 +93,19 @@ def run_vllm(model_dir, requests, alone=False, **engine):
 
 
 FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may flip between summation orders
+def test_prefix_caching_hits_and_matches_transformers(checkpoints):
+    """Prompts sharing a 96-token prefix (six blocks, six windows) with prefix caching on (vLLM's Mamba "align"
+    mode: SSM states cached at block boundaries): requests run after the batch hit the cache, and every request,
+    cached or not, still follows Transformers."""
+    model, vllm_dir = checkpoints
+    prefix = random_prompts([96], model.config.vocab_size, seed=5)[0]
+    prompts = [prefix + suffix for suffix in random_prompts([7, 20, 33, 1, 16], model.config.vocab_size, seed=6)]
+    result = run_vllm(vllm_dir, prompts, alone=True, enable_prefix_caching=True)
+    assert result["prefix_cache_hits"] >= 4 * 80, result  # each later request reuses at least 5 of the 6 blocks
+    assert_follows_hf(model, prompts, result["outputs"])
+    assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
 # nats: the same under bf16 rounding. Transformers in bf16 against itself in fp32, teacher-forced on these prompts,
 # differs by at most 0.004 nats in any logprob (measured); five times that is a near tie.
 BF16_TIE = 0.02

@@ -29,7 +29,10 @@ def run(spec: dict) -> dict:
     result = {"outputs": generate(spec["requests"])}
     if spec.get("alone"):
         result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
-    result["preemptions"] = sum(metric.value for metric in llm.get_metrics() if metric.name == "vllm:num_preemptions")
+    counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
+    result["preemptions"] = counters.get("vllm:num_preemptions", 0)
+    result["prefix_cache_queries"] = counters.get("vllm:prefix_cache_queries", 0)
+    result["prefix_cache_hits"] = counters.get("vllm:prefix_cache_hits", 0)
     return result
 
 

@@ -169,12 +169,13 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        # Both would need the SSM state handled per block or per draft token, which ssm_forward_torch does not do yet:
-        # refuse them rather than serve wrong tokens.
-        if vllm_config.cache_config.enable_prefix_caching:
+        # Prefix caching: in Mamba "align" mode vLLM schedules chunks that end on block boundaries, keeps each
+        # block-boundary state in its own slot and copies a cached one into the running slot (Mamba-1's copy
+        # functions: our state has Mamba-1's layout and meaning), so the branch reads and writes one slot per step as
+        # without caching. "all" mode would need the kernels to write a state at every block boundary inside a chunk.
+        if vllm_config.cache_config.enable_prefix_caching and vllm_config.cache_config.mamba_cache_mode == "all":
             raise ValueError(
-                "HybridForCausalLM does not support prefix caching yet: run without it "
-                "(--no-enable-prefix-caching, or enable_prefix_caching=False)"
+                "HybridForCausalLM supports prefix caching in mamba_cache_mode 'align' (the default), not 'all'"
             )
         if vllm_config.speculative_config is not None:
             raise ValueError("HybridForCausalLM does not support speculative decoding yet")
