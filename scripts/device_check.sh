@@ -4,7 +4,8 @@
 #
 #   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (bench_kernels --only sweep)
-#   bash scripts/device_check.sh vllm      # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm)
+#   bash scripts/device_check.sh vllm      # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
+#                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2
 #
 # The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
 # that downloads them) and installed to /tmp/site.

@@ -93,6 +93,21 @@ def run_vllm(model_dir, requests, alone=False, **engine):
 
 
 FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may flip between summation orders
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs two GPUs")
+def test_tensor_parallel_matches_one_gpu(checkpoints):
+    """Tensor parallel 2 (attention heads, SSM channels and the MLP sharded; the KV head replicated) gives the tokens of
+    one GPU: both follow Transformers up to its first near tie (where the all-reduce's summation order may tip
+    either way)."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
+    one_gpu = run_vllm(vllm_dir, prompts)["outputs"]
+    two_gpus = run_vllm(vllm_dir, prompts, tensor_parallel_size=2)["outputs"]
+    assert_follows_hf(model, prompts, one_gpu)
+    assert_follows_hf(model, prompts, two_gpus)
+
+
 def test_prefix_caching_hits_and_matches_transformers(checkpoints):
     """Prompts sharing a 96-token prefix (six blocks, six windows) with prefix caching on (vLLM's Mamba "align"
     mode: SSM states cached at block boundaries): requests run after the batch hit the cache, and every request,
