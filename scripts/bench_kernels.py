@@ -9,7 +9,7 @@ importable), and against the two ceilings measured in the same run: a device-to-
 Each row: median time over repeated runs (`triton.testing.do_bench`, CUDA events), the bytes or FLOPs the work must
 move or do at the least, the rate that gives, and its share of the measured ceiling. Before timing, every kernel's
 output is compared with its reference on fresh random inputs (`rel err` = ||out - ref|| / ||ref||, reference in
-fp32). Methodology: /work/.library/device/METHOD.md; results and commentary: BENCHMARKS.md.
+fp32). Results and commentary: BENCHMARKS.md.
 """
 
 import argparse

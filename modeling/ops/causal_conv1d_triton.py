@@ -520,8 +520,12 @@ def _check_conv_state(conv_state: torch.Tensor, num_channels: int, width: int) -
 
 
 def _check_index(name: str, tensor: torch.Tensor, length: int, dtype: torch.dtype) -> None:
-    if tensor.shape != (length,) or tensor.dtype != dtype:
-        raise ValueError(f"{name} must be [{length}] {dtype}, got {tuple(tensor.shape)} {tensor.dtype}")
+    # The kernels read entry i at `pointer + i`: a strided view (a column of a wider table) would read wrong entries.
+    if tensor.shape != (length,) or tensor.dtype != dtype or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous [{length}] {dtype}, got {tuple(tensor.shape)} {tensor.dtype} "
+            f"with strides {tensor.stride()}"
+        )
 
 
 def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

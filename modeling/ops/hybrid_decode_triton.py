@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_math import softplus
+from .triton_utils import num_sms, softplus
 
 
 @triton.jit
@@ -413,10 +413,6 @@ def _hybrid_decode_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
 def _pick_ssm_block_e(num_channels: int, state_size: int) -> int:
     """Channels per SSM program: a [BLOCK_E, N] fp32 state block of about 2048 values (16 per thread at 4 warps)."""
     return min(triton.next_power_of_2(num_channels), max(1, 2048 // triton.next_power_of_2(state_size)))
@@ -430,10 +426,10 @@ def _pick_attention_config(
     keeping at least four tiles of the window (below that the merge costs more than the parallelism brings)."""
     block_n = 64 if head_dim >= 128 else 128
     pairs = max(1, num_decodes * num_kv_heads)
-    num_sms = _num_sms(device)
+    sms = num_sms(device)
     splits = 1
-    if pairs < 2 * num_sms:
-        splits = max(1, min(triton.cdiv(4 * num_sms, pairs), triton.cdiv(max_keys, block_n) // 4))
+    if pairs < 2 * sms:
+        splits = max(1, min(triton.cdiv(4 * sms, pairs), triton.cdiv(max_keys, block_n) // 4))
     return {"block_n": block_n, "num_splits": splits, "num_warps": 4, "num_stages": 2}
 
 

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_utils import num_sms
+
 # Stands for "no window" (full causal attention): larger than any context, small enough that t - W fits int32.
 _NO_WINDOW = 1 << 30
 
@@ -269,12 +271,6 @@ def _merge_splits_kernel(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _pick_blocks(
     dtype: torch.dtype,
     head_dim: int,
@@ -299,7 +295,7 @@ def _pick_blocks(
         block_n = 64 if block_d <= 128 else 32
         keys = min(window or _NO_WINDOW, max_seq_len or _NO_WINDOW)  # longest key range of one query
         max_splits = 16 if keys == _NO_WINDOW else max(1, min(16, triton.cdiv(keys, 2 * block_n)))
-        num_splits = min(max_splits, triton.cdiv(2 * _num_sms(device), num_seqs * num_kv_heads))
+        num_splits = min(max_splits, triton.cdiv(2 * num_sms(device), num_seqs * num_kv_heads))
         return {"block_q": 1, "block_n": block_n, "num_splits": num_splits, "num_warps": 4, "num_stages": 3}
     if dtype == torch.float32:
         block_m, block_n, num_stages = (64 if block_d <= 64 else 32), (32 if block_d <= 128 else 16), 2
@@ -366,7 +362,7 @@ def paged_window_attention(
     )
     assert block_table.dim() == 2 and block_table.shape[0] == num_seqs, f"block_table {tuple(block_table.shape)}"
     for name, tensor in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        assert tensor.dtype in (torch.int32, torch.int64), f"{name} must be int32, got {tensor.dtype}"
+        assert tensor.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {tensor.dtype}"
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1, (
         "query_start_loc, seq_lens and block_table rows must be contiguous"
     )

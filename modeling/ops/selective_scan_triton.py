@@ -24,12 +24,12 @@ edge.
 
 Every per-step loop prefetches: step t +- 1's loads are issued before step t's arithmetic and stores (the compiler
 may not move loads across stores to possibly aliasing pointers), so a program has two steps of loads in flight;
-many small programs per SM (2 warps forward) hide the rest of the latency.
+many small programs per SM (one warp each by default) hide the rest of the latency.
 
 dB and dC reduce over channels, which live in different programs: each program writes its partial sum over its
 BLOCK_E channels to a [E / BLOCK_E, B, T, N] fp32 buffer summed in torch afterwards: deterministic, unlike atomics,
-at the cost of E * N / BLOCK_E fp32 values per token each (at N = BLOCK_E = 16, one fp32 [B, T, E] tensor's worth;
-a larger bwd_block_e shrinks it). dA and dD (sums over batch and time) are written per (sequence, chunk) program and
+at the cost of E * N / BLOCK_E fp32 values per token each (half an fp32 [B, T, E] tensor's worth at the default
+BLOCK_E = 32, N = 16; a larger bwd_block_e shrinks it). dA and dD (sums over batch and time) are written per (sequence, chunk) program and
 summed likewise.
 """
 
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_math import softplus
+from .triton_utils import softplus
 
 # exp(x) = exp2(x * log2(e)); A is pre-scaled by LOG2E once per program so each step's decay is a single ex2.approx.ftz
 # (tl.exp lowers to a non-ftz ex2 wrapped in a multiply and a denormal range fix-up: 5 instructions instead of 1).
@@ -194,7 +194,8 @@ def _selective_scan_fwd_kernel(
 
         if SAVE_SEG_H:
             if (t - t_start) % SEG == 0:
-                tl.store(p_seg_h + (t // SEG) * E * N + o_e[:, None] * N + o_n[None, :], b_h, mask=m_en)
+                o_seg = tl.cast(t // SEG, tl.int64) * E * N  # int64: T / SEG * E * N passes 2^31 at long contexts
+                tl.store(p_seg_h + o_seg + o_e[:, None] * N + o_n[None, :], b_h, mask=m_en)
         if DT_SOFTPLUS:
             b_dt = softplus(b_dt + b_dt_bias)
         b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
@@ -1074,6 +1075,14 @@ def selective_scan_varlen_fwd(
         )
     if cu_seqlens.dtype not in (torch.int32, torch.int64) or state_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"cu_seqlens, state_indices: expected int32, got {cu_seqlens.dtype}, {state_indices.dtype}")
+    # The kernels read entry i at `pointer + i`: a strided view (a column of a wider table) would read wrong entries.
+    for name, x in (
+        ("cu_seqlens", cu_seqlens),
+        ("state_indices", state_indices),
+        ("has_initial_state", has_initial_state),
+    ):
+        if x is not None and not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor, got strides {x.stride()}")
     if num_seqs == 0 or total_tokens == 0:
         return out
     if max_seq_len is None:

@@ -1,7 +1,19 @@
-"""Elementwise math shared by the Triton kernels, where `triton.language` lacks a function or its accuracy."""
+"""Helpers shared by the Triton kernels: math that `triton.language` lacks (or lacks the accuracy of), and the
+device facts the launchers size their grids from."""
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; 1 on CPU (Triton's interpreter runs programs one at a time)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
