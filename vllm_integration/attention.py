@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport
 from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import HybridSSMAdapter, triton_kernels
+from .ssm import HybridSSMAdapter, token_split, triton_kernels
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
 HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
@@ -75,10 +75,10 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
         key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
         xs, z = xz.chunk(2, dim=-1)  # [T, E] each
-        # Decodes come first in both metadata: the SSM's count (query length 1, not prefilling) splits the batch.
-        num_decodes, num_decode_tokens = ssm_metadata.num_decodes, ssm_metadata.num_decode_tokens
+        # Decodes come first in both metadata: the SSM's split (query length 1, not prefilling) cuts the batch.
+        decode, prefill = token_split(ssm_metadata)
+        num_decodes, num_decode_tokens = ssm_metadata.num_decodes, decode.stop
         if num_decodes:
-            decode = slice(0, num_decode_tokens)
             state_indices = ssm_metadata.state_indices_tensor_d[:, 0]
             u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, kernels)
             hybrid_decode(
@@ -88,7 +88,6 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
                 ssm_output[decode],
             )  # fmt: skip
         if ssm_metadata.num_prefills:
-            prefill = slice(num_decode_tokens, num_decode_tokens + ssm_metadata.num_prefill_tokens)
             paged_window_attention(
                 query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
                 attn_metadata.query_start_loc[num_decodes:] - num_decode_tokens, attn_metadata.seq_lens[num_decodes:],

@@ -50,6 +50,13 @@ def hybrid_state_shapes(tp_size: int, intermediate_size: int, state_size: int, c
     return MambaStateShapeCalculator.mamba1_state_shape(tp_size, intermediate_size, state_size, conv_kernel_size)
 
 
+def token_split(metadata: Mamba1AttentionMetadata) -> tuple[slice, slice]:
+    """(decode tokens, prefill tokens) of a packed batch: vLLM orders decodes (one token, not prefilling) first. Rows
+    past both are CUDA-graph padding, left unwritten (every later op works row by row)."""
+    num_decode_tokens = metadata.num_decode_tokens
+    return slice(0, num_decode_tokens), slice(num_decode_tokens, num_decode_tokens + metadata.num_prefill_tokens)
+
+
 @dataclass(frozen=True)
 class SSMKernels:
     """The ops the branch's pipeline steps call (`decode_inputs`, `forward_prefill`); the PyTorch references and the
@@ -159,8 +166,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         output: [T, E] written with `y * silu(z)` (before out_proj).
         """
         xs, z = xz.chunk(2, dim=-1)  # [T, E] each
-        decode = slice(0, metadata.num_decode_tokens)
-        prefill = slice(metadata.num_decode_tokens, metadata.num_decode_tokens + metadata.num_prefill_tokens)
+        decode, prefill = token_split(metadata)
         if metadata.num_decodes:
             state_indices = metadata.state_indices_tensor_d[:, 0]
             u, dt, B, C = self.decode_inputs(xs[decode], state_indices, REFERENCE_KERNELS)
