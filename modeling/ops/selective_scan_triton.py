@@ -1046,6 +1046,8 @@ def selective_scan_varlen_fwd(
             in place with each sequence's final state in its dtype; other slots are not touched.
         state_indices: [S] int32 slot per sequence; -1 = padding: its tokens get zeros in `out`, no slot touched.
         has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
+            One difference from the reference: an EMPTY sequence leaves its slot as it is (the reference writes
+            zeros there when it has no initial state); vLLM never schedules an empty prefill.
         out: [T_total, E] written with y * silu(z) (contiguous last dimension).
         max_seq_len: the longest sequence; computed from cu_seqlens (a host sync) when None.
         block_e, chunk, unroll, num_warps: launch shape (`ScanBlocks`); None picks it from the shapes.
