@@ -6,6 +6,9 @@ the ground truth for its Triton kernel in the `*_triton` module beside it:
     paged_attention     window attention over vLLM's paged KV cache (prefill, chunked prefill, decode)
     hybrid_decode       decode: the single-token state update, and the fused window attention + state update
 
+vLLM's decodes run `hybrid_decode` (one launch); its prefills run `paged_window_attention`, which also handles
+decode rows (its split-K decode setting is what the benchmark's "separate launches" anchor times).
+
 The `*_triton` modules import Triton; import them where the kernels are used (CUDA, or Triton's interpreter).
 """
 

@@ -612,6 +612,8 @@ def hybrid_decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        # fp32 caches: exact FMA products. Decode streams the KV window (memory-bound), so the FMAs cost nothing that
+        # shows; the compute-bound prefill kernel (paged_attention_triton) takes tf32x3 on the tensor cores instead.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         BLOCK_E=block_e,
         BLOCK_NS=triton.next_power_of_2(state_size),
