@@ -22,6 +22,7 @@ Two jobs per decoding request i, both reading one cache and writing one output:
 import torch
 import torch.nn.functional as F
 
+from .paged_attention import paged_window_attention_ref
 from .selective_scan import selective_scan_ref
 
 
@@ -80,7 +81,8 @@ def window_attention_decode_ref(
     window: int | None,
     attn_out: torch.Tensor,
 ) -> torch.Tensor:
-    """Sliding-window (or full) attention of one query per request over the paged KV cache, request by request.
+    """Sliding-window (or full) attention of one query per request over the paged KV cache: the decode case of
+    `paged_window_attention_ref` (one query per request), with padding requests (seq_lens 0) zeroed.
 
     Args:
         query: [B, H, D] (RoPE applied), the token at position seq_lens[i] - 1.
@@ -90,21 +92,14 @@ def window_attention_decode_ref(
         scale: softmax scale.   window: W, or None for full attention.
         attn_out: [B, H, D] written and returned.
     """
-    page_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        start = 0 if window is None else max(0, seq_len - window)
-        positions = torch.arange(start, seq_len, device=query.device)  # [L]
-        if len(positions) == 0:
-            attn_out[i] = 0
-            continue
-        pages = block_table[i, positions // page_size].long()  # [L]
-        keys = key_cache[pages, positions % page_size].float()  # [L, KVH, D]
-        values = value_cache[pages, positions % page_size].float()  # [L, KVH, D]
-        keys = keys.repeat_interleave(group, dim=1)  # [L, H, D]: query head h reads kv head h // G
-        values = values.repeat_interleave(group, dim=1)  # [L, H, D]
-        scores = torch.einsum("hd,lhd->hl", query[i].float(), keys) * scale  # [H, L]
-        attn_out[i] = torch.einsum("hl,lhd->hd", scores.softmax(dim=-1), values).to(attn_out.dtype)
+    real = seq_lens > 0  # [B]
+    num_real = int(real.sum())
+    query_start_loc = torch.arange(num_real + 1, dtype=torch.int32, device=query.device)  # one query each
+    attn_out.zero_()
+    attn_out[real] = paged_window_attention_ref(
+        query[real], key_cache, value_cache, block_table[real], query_start_loc, seq_lens[real], scale, window,
+        attn_out.new_empty(num_real, *attn_out.shape[1:]),
+    )  # fmt: skip
     return attn_out
 
 
