@@ -294,9 +294,8 @@ def vllm_ops():
 
 def bench_prefill(args) -> list[Row]:
     """Packed prefills continuing from state slots: conv varlen then scan varlen, as the vLLM backend runs them."""
-    from modeling.ops.causal_conv1d_triton import causal_conv1d_varlen_fwd
-
     from modeling.ops import causal_conv1d_varlen_ref, selective_scan_varlen_ref
+    from modeling.ops.causal_conv1d_triton import causal_conv1d_varlen_fwd
     from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
 
     num_seqs, seq_len, channels, state, K = args.prefill_seqs, args.prefill_seq_len, args.serve_channels, 16, 4
@@ -533,18 +532,23 @@ def bench_decode(args) -> list[Row]:
 # Launch-configuration sweeps: one knob at a time around each kernel's default, at the benchmark shapes
 
 
-def sweep(section: str, shape: str, run: Callable[..., object], grid: dict[str, list]) -> list[Row]:
-    """Times `run(**{knob: value})` for each value of each knob (the others at their defaults); the default first."""
+def sweep(section: str, shape: str, run: Callable[..., object], variants: list[dict]) -> list[Row]:
+    """Times `run()` (the defaults), then `run(**knobs)` for each variant's knobs."""
     rows = [Row(section, "default", shape, median_ms(run, rep_ms=100))]
-    for knob, values in grid.items():
-        for value in values:
-            try:
-                ms = median_ms(lambda: run(**{knob: value}), rep_ms=100)  # noqa: B023 - timed before the loop moves
-            except Exception as error:  # noqa: BLE001 - a config that does not compile or fit is a result too
-                rows.append(Row(section, f"{knob}={value}", shape, math.nan, note=f"{type(error).__name__}"))
-                continue
-            rows.append(Row(section, f"{knob}={value}", shape, ms, note=f"{rows[0].ms / ms:.2f}x default"))
+    for knobs in variants:
+        label = ", ".join(f"{knob}={value}" for knob, value in knobs.items())
+        try:
+            ms = median_ms(lambda: run(**knobs), rep_ms=100)  # noqa: B023 - timed before the loop moves on
+        except Exception as error:  # noqa: BLE001 - a config that does not compile or fit is a result too
+            rows.append(Row(section, label, shape, math.nan, note=f"{type(error).__name__}"))
+            continue
+        rows.append(Row(section, label, shape, ms, note=f"{rows[0].ms / ms:.2f}x default"))
     return rows
+
+
+def one_knob_at_a_time(grid: dict[str, list]) -> list[dict]:
+    """Each value of each knob alone, the other knobs at their defaults."""
+    return [{knob: value} for knob, values in grid.items() for value in values]
 
 
 SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd+bwd as whole combinations
@@ -562,7 +566,8 @@ SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd
 
 
 def bench_scan_sweep(args) -> list[Row]:
-    """The training scan's launch settings as combinations (fwd+bwd), and the forward alone at two channel blocks."""
+    """The training scan's launch settings, fwd+bwd (one knob at a time, then combinations of knobs that interact),
+    and the forward alone at two channel blocks."""
     from modeling.ops.selective_scan_triton import selective_scan_fn
 
     batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
@@ -570,50 +575,42 @@ def bench_scan_sweep(args) -> list[Row]:
     inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
     dy = randn(batch, seq_len, channels)
 
-    def fwd_bwd(knobs):
+    def fwd_bwd(**knobs):
         y, _ = selective_scan_fn(*inputs, **knobs)
         return torch.autograd.grad(y, inputs, dy)
 
-    rows = [Row("scan combos", "default", shape, median_ms(lambda: fwd_bwd({}), rep_ms=100))]
-    for knobs in SCAN_COMBOS:
-        ms = median_ms(lambda: fwd_bwd(knobs), rep_ms=100)  # noqa: B023 - timed before the loop moves on
-        rows.append(Row("scan combos", json.dumps(knobs), shape, ms, note=f"{rows[0].ms / ms:.2f}x default"))
-    with torch.no_grad():
-        for knobs in ({}, {"block_e": 32, "num_warps": 1}, {"block_e": 16, "num_warps": 2}):
-            ms = median_ms(lambda: selective_scan_fn(*inputs, **knobs), rep_ms=100)  # noqa: B023
-            rows.append(Row("scan fwd", json.dumps(knobs) or "default", shape, ms))
-    return rows
+    def fwd(**knobs):
+        with torch.no_grad():
+            return selective_scan_fn(*inputs, **knobs)
+
+    one_knob = one_knob_at_a_time({
+        "chunk": [32, 64, 256, 512], "block_e": [8, 32], "num_warps": [1, 4], "bwd_num_warps": [2, 8],
+        "unroll": [2], "seg": [8, 32],
+    })  # fmt: skip
+    fwd_variants = [{"block_e": 32, "num_warps": 1}, {"block_e": 16, "num_warps": 2}]
+    return sweep("scan f+b", shape, fwd_bwd, one_knob + SCAN_COMBOS) + sweep("scan fwd", shape, fwd, fwd_variants)
 
 
 def bench_sweeps(args) -> list[Row]:
     from modeling.ops.causal_conv1d_triton import causal_conv1d_bwd, causal_conv1d_fwd
     from modeling.ops.hybrid_decode_triton import hybrid_decode
     from modeling.ops.paged_attention_triton import paged_window_attention
-    from modeling.ops.selective_scan_triton import selective_scan_fn
 
     rows = []
     batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
     shape = f"B={batch} T={seq_len} E={channels} N=16"
-    inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
-    dy = randn(batch, seq_len, channels)
-
-    def scan_fwd_bwd(**knobs):
-        y, _ = selective_scan_fn(*inputs, **knobs)
-        return torch.autograd.grad(y, inputs, dy)
-
-    rows += sweep("sweep scan f+b", shape, scan_fwd_bwd, {
-        "chunk": [32, 64, 256, 512], "block_e": [8, 32], "num_warps": [1, 4], "bwd_num_warps": [2, 8],
-        "unroll": [2], "seg": [8, 32],
-    })  # fmt: skip
-
     xz = randn(batch, seq_len, 2 * channels)
     x, weight, bias = xz[..., :channels], randn(channels, 4, scale=0.5), randn(channels)
-    rows += sweep("sweep conv fwd", shape, lambda **k: causal_conv1d_fwd(x, weight, bias, "silu", **k), {
-        "block_t": [16, 64], "block_e": [64, 256], "num_warps": [4, 16],
-    })  # fmt: skip
-    rows += sweep("sweep conv bwd", shape, lambda **k: causal_conv1d_bwd(x, weight, bias, x, "silu", **k), {
-        "block_t": [8, 32], "block_e": [64, 256], "num_warps": [4, 8], "rows_per_program": [256, 4096],
-    })  # fmt: skip
+    conv_fwd_grid = {"block_t": [16, 64], "block_e": [64, 256], "num_warps": [4, 16]}
+    conv_bwd_grid = {"block_t": [8, 32], "block_e": [64, 256], "num_warps": [4, 8], "rows_per_program": [256, 4096]}
+    rows += sweep(
+        "sweep conv fwd", shape, lambda **k: causal_conv1d_fwd(x, weight, bias, "silu", **k),
+        one_knob_at_a_time(conv_fwd_grid),
+    )  # fmt: skip
+    rows += sweep(
+        "sweep conv bwd", shape, lambda **k: causal_conv1d_bwd(x, weight, bias, x, "silu", **k),
+        one_knob_at_a_time(conv_bwd_grid),
+    )  # fmt: skip
 
     H, KVH, D, block_size, window = args.heads, args.kv_heads, args.head_dim, args.block_size, args.window
     num_seqs, attn_len = args.attn_seqs, args.attn_seq_len
@@ -627,7 +624,7 @@ def bench_sweeps(args) -> list[Row]:
         f"{num_seqs} x {attn_len}, W={window}",
         lambda **k: paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                            D**-0.5, window, out=out, max_query_len=attn_len, max_seq_len=attn_len, **k),
-        {"block_q": [8, 64], "block_n": [32, 128], "num_warps": [4], "num_stages": [2, 4]},
+        one_knob_at_a_time({"block_q": [8, 64], "block_n": [32, 128], "num_warps": [4], "num_stages": [2, 4]}),
     )  # fmt: skip
 
     decode_batch, context, E = args.decode_batch, args.decode_context, args.serve_channels
@@ -645,7 +642,9 @@ def bench_sweeps(args) -> list[Row]:
         f"batch {decode_batch}, ctx {context}, W={window}",
         lambda **k: hybrid_decode(q1, key_cache, value_cache, block_table, dec_lens, D**-0.5, window, attn_out, state,
                                   u, dt, A, Bm, Cm, Dv, z, dt_bias, idx, ssm_out, **k),
-        {"block_n": [32, 128], "num_splits": [2, 4], "num_warps": [8], "num_stages": [3, 4], "block_e": [64, 256]},
+        one_knob_at_a_time(
+            {"block_n": [32, 128], "num_splits": [2, 4], "num_warps": [8], "num_stages": [3, 4], "block_e": [64, 256]}
+        ),
     )  # fmt: skip
     return rows
 

@@ -3,7 +3,7 @@
 # Run from the repository root on the CUDA machine; logs and JSON go to $OUT (the device tool brings them back).
 #
 #   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
-#   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (bench_kernels --only sweep)
+#   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep)
 #   bash scripts/device_check.sh vllm      # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
 #                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2
 #
@@ -29,7 +29,7 @@ case "${1:-kernels}" in
     exit $((tests_status || PIPESTATUS[0]))
     ;;
   sweep)
-    python3 scripts/bench_kernels.py --only sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80
+    python3 scripts/bench_kernels.py --only sweep,scan_sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80
     ;;
   vllm)
     export VLLM_USE_FLASHINFER_SAMPLER=0
