@@ -249,14 +249,8 @@ def bench_conv(args) -> list[Row]:
         fwd_ms = median_ms(lambda: kernel(x, weight, bias))
         ref_fwd_ms = median_ms(lambda: conv_reference(x, weight, bias))
     fb_ms, ref_fb_ms = median_ms(fwd_bwd(kernel)), median_ms(fwd_bwd(conv_reference))
-    # Diagnostics for the gap between fwd+bwd through autograd and the launchers' own times (BENCHMARKS.md, note 3):
-    # the backward launcher alone, and fwd+bwd replayed from a CUDA graph (no CPU launch overhead between kernels).
+    # The backward launcher alone: fwd+bwd through autograd against the launchers' own times (BENCHMARKS.md).
     bwd_ms = median_ms(lambda: causal_conv1d_bwd(x.detach(), weight.detach(), bias.detach(), dy, "silu"))
-    try:
-        graph_ms = triton.testing.do_bench_cudagraph(fwd_bwd(kernel), rep=100, return_mode="median")
-        graph_note = f"{fb_ms / graph_ms:.1f}x faster than launched one by one"
-    except Exception as error:  # noqa: BLE001 - autograd may refuse capture; the row says so
-        graph_ms, graph_note = math.nan, f"not capturable: {type(error).__name__}"
     return [
         Row("conv1d", "Triton fwd", shape, fwd_ms, bytes=fwd_bytes, rel_err=errs["y"],
             note=f"{ref_fwd_ms / fwd_ms:.1f}x PyTorch"),
@@ -265,7 +259,6 @@ def bench_conv(args) -> list[Row]:
             note=f"{ref_fb_ms / fb_ms:.1f}x PyTorch", extra=errs),
         Row("conv1d", "PyTorch conv1d+silu fwd+bwd (bf16)", shape, ref_fb_ms, bytes=fb_bytes),
         Row("conv1d", "Triton bwd launcher alone", shape, bwd_ms, bytes=3 * bte * 2),
-        Row("conv1d", "Triton fwd+bwd, CUDA graph replay", shape, graph_ms, bytes=fb_bytes, note=graph_note),
     ]  # fmt: skip
 
 
@@ -717,7 +710,6 @@ def main():
         global DEVICE
         DEVICE = "cpu"
         triton.testing.do_bench = lambda fn, **kwargs: (fn(), 1.0)[1]
-        triton.testing.do_bench_cudagraph = lambda fn, **kwargs: (fn(), 1.0)[1]
     elif not torch.cuda.is_available():
         sys.exit("bench_kernels.py times kernels on a CUDA GPU; none is visible")
 
