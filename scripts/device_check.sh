@@ -35,8 +35,20 @@ case "${1:-kernels}" in
     ;;
   vllm)
     export VLLM_USE_FLASHINFER_SAMPLER=0
-    timeout 500 python3 -m pytest -q -p no:warnings -rA tests/test_vllm.py tests/test_vllm_triton_path.py 2>&1 \
-      | tee "$OUT/pytest_vllm.log" | tail -40
+    # One pytest per test, each under its own time limit, so that a slow or failing test neither hides the others'
+    # results nor loses its own report when the call's limit comes.
+    status=0
+    for test in $(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm.py \
+                  | grep '::'); do
+      echo "=== $test" >> "$OUT/pytest_vllm.log"
+      timeout "${VLLM_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:warnings -rA --tb=short "$test" \
+        >> "$OUT/pytest_vllm.log" 2>&1
+      rc=$?
+      echo "rc=$rc $test"
+      status=$((status || rc))
+    done
+    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|Error|assert" "$OUT/pytest_vllm.log" | tail -30
+    exit $status
     ;;
   serving)
     shift

@@ -4,6 +4,8 @@ PyTorch references), on one mixed step: decodes, a chunked prefill continuing it
 machines the kernels run in Triton's interpreter; the slicing of vLLM's metadata into decode and prefill parts is
 what this checks before any GPU run."""
 
+import contextlib
+import dataclasses
 import socket
 from types import SimpleNamespace
 
@@ -48,6 +50,20 @@ def ssm_adapter():
     return ssm
 
 
+@contextlib.contextmanager
+def host_syncs_raise():
+    """On a GPU, a host read of a device tensor inside the block raises: in the serving path such a sync would stall
+    every layer of every step. (On CPU there is nothing to stall.)"""
+    if DEVICE != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def mixed_step(g):
     """Two decodes (slots 3 and 1), a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill
     of 11 tokens into slot 4, as vLLM's Triton attention and Mamba-1 metadata describe them (decodes first)."""
@@ -74,8 +90,20 @@ def mixed_step(g):
     return attn_metadata, ssm_metadata, sum(q_lens)
 
 
-def test_triton_serving_path_matches_the_reference_path(ssm_adapter):
+def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch):
+    from vllm_integration import attention
     from vllm_integration.attention import TritonHybridImplMixin
+
+    # The scan must get the longest prefill from the host-side metadata: computing it from cu_seqlens is a device
+    # sync in every layer of every prefill step.
+    scan_lengths = []
+    kernels = attention.triton_kernels()
+
+    def scan_varlen(*args, **kwargs):
+        scan_lengths.append(kwargs.get("max_seq_len"))
+        return kernels.scan_varlen(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "triton_kernels", lambda: dataclasses.replace(kernels, scan_varlen=scan_varlen))
 
     g = torch.Generator().manual_seed(1)
     attn_metadata, ssm_metadata, num_tokens = mixed_step(g)
@@ -94,11 +122,12 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter):
     ssm_adapter.kv_cache = tuple(s.clone() for s in states)
     output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
-    with torch.no_grad():
+    with torch.no_grad(), host_syncs_raise():
         TritonHybridImplMixin.hybrid_forward(
             impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
         )
     triton_states = ssm_adapter.kv_cache
+    assert scan_lengths == [11], scan_lengths
 
     # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.
     ssm_adapter.kv_cache = tuple(s.clone() for s in states)

@@ -218,6 +218,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
             state_indices,
             metadata.has_initial_states_p,
             out=output,
+            max_seq_len=max_seq_len,
         )
 
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

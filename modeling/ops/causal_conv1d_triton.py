@@ -127,7 +127,7 @@ def _find_sequence(p_cu_seqlens, o_t, num_seqs, search_steps):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_seqs", "search_steps"])  # one compilation for every batch shape
 def _causal_conv1d_fwd_kernel(
     p_x,
     p_w,

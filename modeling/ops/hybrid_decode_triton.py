@@ -277,7 +277,7 @@ def _window_attention_split(
             tl.store(p_out, b_o.to(p_o.dtype.element_ty), mask=m_gd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_attn_programs"])  # one compilation for every batch size
 def _hybrid_decode_kernel(
     # attention
     p_q,

@@ -75,6 +75,8 @@ def selective_scan_varlen_ref(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor | None,
     out: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Serving prefill over packed sequences, continuing each from its state-cache slot; reference of
     `selective_scan_varlen_fwd` (selective_scan_triton.py), same signature.
@@ -89,6 +91,7 @@ def selective_scan_varlen_ref(
             get zeros in `out`, no slot is read or written).
         has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
         out: [T_total, E] written with `y * silu(z)`.
+        max_seq_len: the kernel's launch hint (the longest sequence); the reference loops over `cu_seqlens`.
 
     Returns:
         `out`.

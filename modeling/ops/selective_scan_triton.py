@@ -74,7 +74,7 @@ def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
     return slot
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_chunks"])  # one compilation for every batch shape
 def _selective_scan_fwd_kernel(
     p_u,
     p_dt,
@@ -216,7 +216,7 @@ def _selective_scan_fwd_kernel(
         tl.store(p_hT_blk, b_h.to(p_hT.dtype.element_ty), mask=m_en & is_real)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_chunks"])
 def _selective_scan_chunk_combine_kernel(
     p_A,
     p_chunk_h,
