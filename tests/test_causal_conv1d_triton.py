@@ -220,6 +220,36 @@ def test_update_matches_reference(ops, dtype, width, layout, block_e):
     assert torch.equal(conv_state[untouched], state_before[untouched])
 
 
+def test_update_first_token_reads_a_zero_history(ops):
+    """Rows flagged as a request's first token (has_initial_state False: a one-token prompt in a CUDA-graph decode
+    batch) ignore whatever their slot holds: their output is the training forward over that one token, and the slot
+    then holds zeros and the token; flagged-True rows continue from their slot as before."""
+    gen = torch.Generator().manual_seed(9)
+    channels, width, num_slots = 21, 4, 9
+    x = xs_half((5,), channels, torch.float32, gen)
+    weight, bias = conv_params(channels, width, torch.float32, True, gen)
+    conv_state = conv_state_cache(num_slots, channels, width, torch.float32, "slot-E-K", gen)
+    state_indices = torch.tensor([6, -1, 2, 8, 0], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, False, True, False], device=DEVICE)
+    state_ref = conv_state.clone()
+
+    out = torch.full((5, channels), float("nan"), device=DEVICE)
+    ops.causal_conv1d_update(
+        x, weight, bias, conv_state, state_indices, "silu", out, has_initial_state=has_initial_state
+    )
+    out_ref = causal_conv1d_update_ref(
+        x, weight, bias, state_ref, state_indices, "silu", has_initial_state=has_initial_state
+    )
+    assert_close(out, out_ref, torch.float32)
+    assert torch.equal(conv_state, state_ref)
+    first_tokens = [2, 4]
+    alone = ops.causal_conv1d_fn(x[first_tokens][:, None], weight, bias, "silu")[:, 0]  # each token as a sequence
+    assert_close(out[first_tokens], alone, torch.float32)
+    slots = state_indices[first_tokens].long()
+    assert (conv_state[slots][..., :-1] == 0).all() and torch.equal(conv_state[slots][..., -1], x[first_tokens])
+    assert (out[1] == 0).all()  # padding row
+
+
 def test_prefill_then_decode_matches_training_forward(ops):
     """Serving == training: two requests prefilled in chunks (the second chunk continuing from the cache), then decoded
     token by token, give the conv output of one pass over each whole sequence."""

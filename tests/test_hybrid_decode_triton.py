@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from modeling.ops.hybrid_decode import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
+from modeling.ops.selective_scan import selective_scan_ref
 
 pytest.importorskip("triton")
 
@@ -205,6 +206,48 @@ def test_hybrid_decode_matches_reference(
     torch.testing.assert_close(ssm_out.float(), ssm_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(attn_out[2], torch.zeros_like(attn_out[2])) and torch.equal(ssm_out[2], torch.zeros_like(u[2]))
     check_state(ssm_state, state_ref, state_before, set(state_indices.tolist()), state_dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["selective_state_update", "hybrid_decode"])
+def test_first_token_rows_start_from_a_zero_state(kernels, fused):
+    """Rows flagged as a request's first token (has_initial_state False: a one-token prompt in a CUDA-graph decode
+    batch) ignore their stale slot: their output is the scan over that one token from a zero state, and the slot
+    then holds that scan's state; the other rows continue from their slots as before."""
+    g = torch.Generator().manual_seed(11)
+    seq_lens = [37, 1, 0, 64, 1]  # rows 1 and 4: one-token prompts; row 2: padding
+    batch, channels, state, num_slots = len(seq_lens), 40, 16, 9
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
+        batch, channels, state, num_slots, torch.float32, torch.float32, g
+    )
+    state_indices = torch.tensor([7, 2, -1, 5, 0], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, True, True, False], device=DEVICE)
+    state_ref = ssm_state.clone()
+    ssm_out = torch.full_like(u, float("nan"))
+    if fused:
+        key_cache, value_cache, block_table = make_paged_kv(seq_lens, 24, 16, 2, 16, torch.float32, "triton", g)
+        query = torch.randn(batch, 4, 16, generator=g).to(DEVICE)
+        kernels.hybrid_decode(
+            *(query, key_cache, value_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)),
+            *(16**-0.5, 24, torch.empty_like(query)),
+            *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+            has_initial_state=has_initial_state,
+        )
+    else:
+        kernels.selective_state_update(
+            ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state
+        )
+    ssm_ref = selective_state_update_ref(
+        state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u),
+        has_initial_state=has_initial_state,
+    )  # fmt: skip
+    torch.testing.assert_close(ssm_out, ssm_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+    # Independently: the flagged rows are a one-token scan from zero.
+    first = [1, 4]
+    step = torch.nn.functional.softplus(dt[first] + dt_bias)
+    y, final = selective_scan_ref(u[first, None], step[:, None], A, B[first, None], C[first, None], D, z[first, None])
+    torch.testing.assert_close(ssm_out[first], y[:, 0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm_state[state_indices[first].long()], final, atol=1e-5, rtol=1e-5)
 
 
 def test_hybrid_decode_split_counters_reset(kernels):

@@ -123,6 +123,8 @@ def causal_conv1d_update_ref(
     state_indices: torch.Tensor,
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
+    *,
+    has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step per request (reference of `causal_conv1d_update`).
 
@@ -132,6 +134,8 @@ def causal_conv1d_update_ref(
         conv_state: [slots, E, K-1], any strides; the request's slot is shifted by one and receives x (in place).
         state_indices: [N] int32 slot per request; -1 marks a padding row (output zeros, no state touched).
         out: [N, E] written in place when given.
+        has_initial_state: [N] bool; False: the request's first token (its history is zeros whatever the slot
+            holds; the slot is written as usual). None: every request continues from its slot.
 
     Returns:
         out [N, E] in x.dtype.
@@ -139,10 +143,12 @@ def causal_conv1d_update_ref(
     check_activation(activation)
     out = torch.empty_like(x) if out is None else out
     out.zero_()
-    for row, slot in enumerate(state_indices.tolist()):
+    continues = [True] * len(state_indices) if has_initial_state is None else has_initial_state.tolist()
+    for row, (slot, continues_from_slot) in enumerate(zip(state_indices.tolist(), continues)):
         if slot < 0:
             continue
-        window = torch.cat([conv_state[slot].float(), x[row, :, None].float()], dim=-1)  # [E, K]
+        history = conv_state[slot].float() if continues_from_slot else conv_state.new_zeros(conv_state.shape[1:])
+        window = torch.cat([history.float(), x[row, :, None].float()], dim=-1)  # [E, K]
         out[row] = _depthwise_causal(window[None], weight.float(), bias, activation)[0, :, 0]
         conv_state[slot] = window[:, 1:].to(conv_state.dtype)
     return out

@@ -608,6 +608,7 @@ def _causal_conv1d_update_kernel(
     p_bias,
     p_state,
     p_state_indices,
+    p_has_initial_state,
     p_out,
     E,
     s_x_n,
@@ -622,26 +623,32 @@ def _causal_conv1d_update_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     """One decode step of request i_n for channels i_e*BLOCK_E.. (`causal_conv1d_update_ref`): window = (slot's
-    history [K-1], x), out = act(window . weight + bias), slot <- window[1:]. Padding rows (slot -1) write zeros."""
+    history [K-1], x), out = act(window . weight + bias), slot <- window[1:]. Padding rows (slot -1) write zeros; a
+    row whose has_initial_state flag is False reads a zero history (its request's first token)."""
     i_e, i_n = tl.program_id(0), tl.program_id(1)
     o_k = tl.arange(0, BLOCK_K)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
     slot = tl.load(p_state_indices + i_n)
     m_slot = slot >= 0
+    m_history = m_slot
+    if HAS_INITIAL_FLAGS:
+        m_history = m_history & (tl.load(p_has_initial_state + i_n) != 0)
 
     b_x = tl.load(p_x + i_n.to(tl.int64) * s_x_n + o_e * s_x_e, mask=m_e, other=0.0).to(tl.float32)
     p_slot = p_state + slot.to(tl.int64) * s_st_b + o_e[None, :] * s_st_e
     m_slot_e = m_slot & m_e[None, :]
+    m_read = m_history & m_e[None, :]
     # window tap k: history entry k for k < K-1, the new token at k = K-1
-    b_window = tl.load(p_slot + o_k[:, None] * s_st_k, mask=(o_k < K - 1)[:, None] & m_slot_e, other=0.0)
+    b_window = tl.load(p_slot + o_k[:, None] * s_st_k, mask=(o_k < K - 1)[:, None] & m_read, other=0.0)
     b_window = tl.where((o_k == K - 1)[:, None], b_x[None, :], b_window.to(tl.float32))
     # the shifted history: tap k + 1 of the window
-    b_shifted = tl.load(p_slot + (o_k + 1)[:, None] * s_st_k, mask=(o_k + 1 < K - 1)[:, None] & m_slot_e, other=0.0)
+    b_shifted = tl.load(p_slot + (o_k + 1)[:, None] * s_st_k, mask=(o_k + 1 < K - 1)[:, None] & m_read, other=0.0)
     b_shifted = tl.where((o_k == K - 2)[:, None], b_x[None, :], b_shifted.to(tl.float32))
 
     p_weight = p_w + o_e[None, :] * s_w_e + o_k[:, None] * s_w_k
@@ -669,13 +676,15 @@ def causal_conv1d_update(
     activation: str | None = "silu",
     out: torch.Tensor | None = None,
     *,
+    has_initial_state: torch.Tensor | None = None,
     block_e: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Decode step, same contract as `causal_conv1d_update_ref`: x [N, E] (any strides), weight [E, K], bias [E] or
     None, conv_state [slots, E, K-1] any strides (updated in place), state_indices [N] int32 (-1 = padding row: output
-    zeros, no state touched). Returns out [N, E]. CUDA-graph safe: shape checks only, grid from shapes, no host sync.
-    Slots of one call must be distinct (vLLM gives each running request its own)."""
+    zeros, no state touched), has_initial_state [N] bool or None (False: a zero history). Returns out [N, E].
+    CUDA-graph safe: shape checks only, grid from shapes, no host sync. Slots of one call must be distinct (vLLM
+    gives each running request its own)."""
     check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [N, E], got {tuple(x.shape)}")
@@ -683,6 +692,8 @@ def causal_conv1d_update(
     width = _check_weights(weight, bias, num_channels)
     _check_conv_state(conv_state, num_channels, width)
     _check_index("state_indices", state_indices, num_requests, torch.int32)
+    if has_initial_state is not None:
+        _check_index("has_initial_state", has_initial_state, num_requests, torch.bool)
     out = _check_out(out, x)
     if x.numel() == 0:
         return out
@@ -690,11 +701,12 @@ def causal_conv1d_update(
     num_warps = num_warps or 4
     grid = (triton.cdiv(num_channels, block_e), num_requests)
     _causal_conv1d_update_kernel[grid](
-        x, weight, bias, conv_state, state_indices, out,
+        x, weight, bias, conv_state, state_indices, has_initial_state if has_initial_state is not None else out, out,
         num_channels, *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
         K=width,
         BLOCK_K=triton.next_power_of_2(width),
         HAS_BIAS=bias is not None,
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
         SILU=activation == "silu",
         BLOCK_E=block_e,
         num_warps=num_warps,

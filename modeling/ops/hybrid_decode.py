@@ -38,6 +38,8 @@ def selective_state_update_ref(
     dt_bias: torch.Tensor,
     state_indices: torch.Tensor,
     out: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One selective-scan step per decoding request, reading and writing its state slot. Reference of
     `hybrid_decode_triton.selective_state_update` (same signature).
@@ -50,9 +52,14 @@ def selective_state_update_ref(
         D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
         state_indices: [B] int32 slot of each request; -1 marks a padding row.
         out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
+        has_initial_state: [B] bool; False: the request's first token, which starts from a zero state whatever its
+            slot holds (the slot is written as usual). None: every request continues from its slot.
     """
     valid = state_indices >= 0  # [B]
     slots = state_indices[valid].long()  # [B']
+    initial_state = ssm_state[slots].float()
+    if has_initial_state is not None:
+        initial_state[~has_initial_state[valid]] = 0.0
     step = F.softplus(dt[valid].float() + dt_bias.float())  # [B', E]
     # A decode is a scan of length one: [B', E] -> [B', 1, E] (and [B', N] -> [B', 1, N]).
     y, state = selective_scan_ref(
@@ -63,7 +70,7 @@ def selective_state_update_ref(
         C[valid, None],
         D,
         z[valid, None],
-        initial_state=ssm_state[slots],
+        initial_state=initial_state,
     )
     out.zero_()
     out[valid] = y[:, 0].to(out.dtype)
@@ -123,10 +130,14 @@ def hybrid_decode_ref(
     dt_bias: torch.Tensor,
     state_indices: torch.Tensor,
     ssm_out: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both halves of a hybrid layer's decode step: `window_attention_decode_ref` then `selective_state_update_ref`
     (see them for the arguments). Reference of `hybrid_decode_triton.hybrid_decode` (same signature), which does both
     in one launch. Returns (attn_out [B, H, D], ssm_out [B, E])."""
     window_attention_decode_ref(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out)
-    selective_state_update_ref(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out)
+    selective_state_update_ref(
+        ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state
+    )
     return attn_out, ssm_out

@@ -47,6 +47,7 @@ def _ssm_update_block(
     p_z,
     p_dt_bias,
     p_state_idx,
+    p_has_initial,
     p_out,
     E,
     N,
@@ -61,10 +62,12 @@ def _ssm_update_block(
     s_out,
     BLOCK_E: tl.constexpr,
     BLOCK_NS: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr,
 ):
     """One SSM step for request `i_b` and channels [i_e * BLOCK_E, (i_e + 1) * BLOCK_E): the body of
     `selective_state_update` and of the SSM programs of `hybrid_decode`. Padding rows (slot < 0) touch no state
-    and write zeros."""
+    and write zeros; a row whose has_initial_state flag is False starts from a zero state (its request's first
+    token), whatever its slot holds."""
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     o_n = tl.arange(0, BLOCK_NS)
     m_e, m_n = o_e < E, o_n < N
@@ -72,8 +75,11 @@ def _ssm_update_block(
 
     slot = tl.load(p_state_idx + i_b).to(tl.int64)
     is_real = slot >= 0
+    continues = is_real
+    if HAS_INITIAL_FLAGS:
+        continues = continues & (tl.load(p_has_initial + i_b) != 0)
     p_slot = p_state + slot * s_state_slot + o_e[:, None] * s_state_e + o_n[None, :] * s_state_n
-    b_state = tl.load(p_slot, mask=m_en & is_real, other=0.0).to(tl.float32)
+    b_state = tl.load(p_slot, mask=m_en & continues, other=0.0).to(tl.float32)
 
     b_u = tl.load(p_u + i_b * s_u + o_e, mask=m_e, other=0.0).to(tl.float32)
     b_dt = tl.load(p_dt + i_b * s_dt + o_e, mask=m_e, other=0.0).to(tl.float32)
@@ -105,6 +111,7 @@ def _selective_state_update_kernel(
     p_z,
     p_dt_bias,
     p_state_idx,
+    p_has_initial,
     p_out,
     E,
     N,
@@ -119,6 +126,7 @@ def _selective_state_update_kernel(
     s_out,
     BLOCK_E: tl.constexpr,
     BLOCK_NS: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr,
 ):
     _ssm_update_block(
         tl.program_id(0),
@@ -133,6 +141,7 @@ def _selective_state_update_kernel(
         p_z,
         p_dt_bias,
         p_state_idx,
+        p_has_initial,
         p_out,
         E,
         N,
@@ -147,6 +156,7 @@ def _selective_state_update_kernel(
         s_out,
         BLOCK_E,
         BLOCK_NS,
+        HAS_INITIAL_FLAGS,
     )
 
 
@@ -317,6 +327,7 @@ def _hybrid_decode_kernel(
     p_z,
     p_dt_bias,
     p_state_idx,
+    p_has_initial,
     p_ssm_out,
     E,
     N,
@@ -341,6 +352,7 @@ def _hybrid_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_NS: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid < num_attn_programs:
@@ -395,6 +407,7 @@ def _hybrid_decode_kernel(
             p_z,
             p_dt_bias,
             p_state_idx,
+            p_has_initial,
             p_ssm_out,
             E,
             N,
@@ -409,6 +422,7 @@ def _hybrid_decode_kernel(
             s_ssm_out,
             BLOCK_E,
             BLOCK_NS,
+            HAS_INITIAL_FLAGS,
         )
 
 
@@ -433,7 +447,7 @@ def _pick_attention_config(
     return {"block_n": block_n, "num_splits": splits, "num_warps": 4, "num_stages": 2}
 
 
-def _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out) -> None:
+def _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state) -> None:
     num_decodes, num_channels = u.shape
     state_size = A.shape[-1]
     for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out)):
@@ -455,12 +469,19 @@ def _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out
         f"state_indices: expected int32 ({num_decodes},), got {state_indices.dtype} {state_indices.shape}"
     )
     assert state_indices.is_contiguous(), "state_indices: must be contiguous"
+    assert has_initial_state is None or (
+        has_initial_state.shape == (num_decodes,)
+        and has_initial_state.dtype == torch.bool
+        and has_initial_state.is_contiguous()
+    ), f"has_initial_state: expected a contiguous bool ({num_decodes},) or None"
 
 
-def _ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out) -> tuple:
-    """Pointers, sizes and strides in the order `_ssm_update_block` takes them."""
+def _ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state) -> tuple:
+    """Pointers, sizes and strides in the order `_ssm_update_block` takes them (state_indices stands in for an absent
+    has_initial_state: HAS_INITIAL_FLAGS=False never reads it)."""
+    flags = state_indices if has_initial_state is None else has_initial_state
     return (
-        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out),
+        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, flags, out),
         *(u.shape[1], A.shape[1]),
         *ssm_state.stride(),
         *(u.stride(0), dt.stride(0), z.stride(0), B.stride(0), C.stride(0), out.stride(0)),
@@ -480,15 +501,17 @@ def selective_state_update(
     state_indices: torch.Tensor,
     out: torch.Tensor,
     *,
+    has_initial_state: torch.Tensor | None = None,
     block_e: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """One selective-scan step per decoding request, state updated in its slot; same contract as
     `selective_state_update_ref` (hybrid_decode.py): ssm_state [S, E, N] (fp32/bf16/fp16, any strides); u, dt, z
     [B, E] and B, C [B, N] (row-strided views allowed); A [E, N] fp32; D, dt_bias [E]; state_indices [B] int32 (-1 =
-    padding: no state touched, zeros written); out [B, E]. `dt` is the raw dt_proj output, softplus(dt + dt_bias)
-    is taken here. One launch, no host sync: CUDA-graph safe. Returns `out`."""
-    _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out)
+    padding: no state touched, zeros written); out [B, E]; has_initial_state [B] bool or None (False: start from a
+    zero state). `dt` is the raw dt_proj output, softplus(dt + dt_bias) is taken here. One launch, no host sync:
+    CUDA-graph safe. Returns `out`."""
+    _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state)
     num_decodes, num_channels = u.shape
     state_size = A.shape[1]
     block_e = block_e or _pick_ssm_block_e(num_channels, state_size)
@@ -496,9 +519,10 @@ def selective_state_update(
         return out
     grid = (num_decodes, triton.cdiv(num_channels, block_e))
     _selective_state_update_kernel[grid](
-        *_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out),
+        *_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state),
         BLOCK_E=block_e,
         BLOCK_NS=triton.next_power_of_2(state_size),
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps,
     )
     return out
@@ -531,6 +555,7 @@ def hybrid_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     counters: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode step of a hybrid layer in one launch: window attention over the paged KV cache and the SSM state
     update. Same contract as `hybrid_decode_ref` (hybrid_decode.py):
@@ -565,7 +590,7 @@ def hybrid_decode(
     )
     assert window is None or window >= 1, f"window: expected None or >= 1, got {window}"
     assert u.shape[0] == num_decodes, f"u: expected {num_decodes} rows (one per decoding request), got {u.shape[0]}"
-    _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out)
+    _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
 
     max_keys = block_table.shape[1] * page_size
     window_keys = max_keys if window is None else min(window, max_keys)
@@ -603,7 +628,7 @@ def hybrid_decode(
         *value_cache.stride(),
         block_table.stride(0),
         *attn_out.stride()[:2],
-        *_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+        *_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state),
         num_attn_programs,
         num_e_blocks,
         HEAD_DIM=head_dim,
@@ -617,6 +642,7 @@ def hybrid_decode(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         BLOCK_E=block_e,
         BLOCK_NS=triton.next_power_of_2(state_size),
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
     )
