@@ -160,10 +160,15 @@ def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
 
 def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     """Prompts cut into 32-token chunks (chunk boundaries inside and across windows) and a KV budget so small that
-    running requests are preempted and recomputed: still Transformers' tokens."""
+    running requests are preempted and recomputed: still Transformers' tokens. Asynchronous scheduling (vLLM's GPU
+    default) is off so that the budget means the same on every platform: with two batches in flight vLLM reserves
+    another batch of tokens per sliding-window request (`max_in_flight_tokens`); on the H200 (async on) 30 blocks
+    could not hold one request and 34 never preempted."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([150, 77, 120, 33, 140, 101, 64, 150], model.config.vocab_size, seed=1)
-    result = run_vllm(vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=32)
+    result = run_vllm(
+        vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=32, async_scheduling=False
+    )
     assert result["preemptions"] > 0, "the KV budget did not force any preemption"
     assert_follows_hf(model, prompts, result["outputs"])
 
