@@ -74,6 +74,7 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
     which a captured graph reads on every replay. Mixed batches (never replayed from a full graph) are Mamba-1's."""
 
     metadata_cls = HybridSSMMetadata
+    # Not Mamba's UNIFORM_BATCH: no speculative decoding here, the decode kernels take one token per request.
     _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
@@ -87,13 +88,25 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
             return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
         all_decodes = common_attn_metadata.replace(is_prefilling=torch.zeros_like(common_attn_metadata.is_prefilling))
         metadata = super().build(common_prefix_len, all_decodes, fast_build, **kwargs)
-        rows = metadata.state_indices_tensor_d.shape[0]  # the decodes, plus CUDA-graph padding (seq_lens 0)
-        seq_lens = common_attn_metadata.seq_lens[:rows]
-        if rows <= self.decode_cudagraph_max_bs:
-            flags = torch.gt(seq_lens, 1, out=self.has_initial_states_d[:rows])
-        else:
-            flags = seq_lens > 1
-        return replace(metadata, has_initial_states_d=flags)
+        seq_lens = common_attn_metadata.seq_lens[: metadata.num_decodes]  # num_reqs: CUDA-graph padding included
+        return replace(metadata, has_initial_states_d=self._own_flags(seq_lens > 1))
+
+    def update_block_table(
+        self, metadata: HybridSSMMetadata, blk_table: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> HybridSSMMetadata:
+        """vLLM builds the metadata once for all SSM groups of one spec and hands it to the other groups' builders
+        here: each group's captured graph reads its own builder's buffers, the flags' included."""
+        metadata = super().update_block_table(metadata, blk_table, slot_mapping)
+        if metadata.has_initial_states_d is None:
+            return metadata
+        return replace(metadata, has_initial_states_d=self._own_flags(metadata.has_initial_states_d))
+
+    def _own_flags(self, flags: torch.Tensor) -> torch.Tensor:
+        """`flags` in this builder's persistent buffer (what its captured decode graphs read), when they fit."""
+        rows = flags.shape[0]
+        if rows > self.decode_cudagraph_max_bs:  # never replayed from a graph
+            return flags
+        return self.has_initial_states_d[:rows].copy_(flags)
 
 
 class HybridSSMBackend(Mamba1AttentionBackend):

@@ -1,0 +1,77 @@
+"""`HybridSSMMetadataBuilder` on vLLM's own metadata types (CPU): which rows are decodes, which start from zero,
+and which buffers a captured decode graph would read."""
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
+
+from vllm_integration.ssm import HybridSSMMetadataBuilder  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def builders():
+    """Two builders of one state spec, as vLLM makes for two SSM KV-cache groups."""
+    config = VllmConfig()
+    spec = MambaSpec(
+        block_size=16,
+        shapes=((24, 3), (24, 8)),
+        dtypes=(torch.float32, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA1,
+    )
+    with set_current_vllm_config(config):
+        return [HybridSSMMetadataBuilder(spec, [f"group{i}"], config, torch.device("cpu")) for i in range(2)]
+
+
+def batch(seq_lens, query_lens, is_prefilling, first_blocks):
+    """vLLM's common metadata for a batch (decodes first), the state block of each request in column 0."""
+    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    block_table = torch.tensor([[block, 9] for block in first_blocks], dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=sum(query_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=torch.arange(sum(query_lens)),
+        is_prefilling=torch.tensor(is_prefilling),
+        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
+    )
+
+
+def test_one_token_steps_are_all_decodes_first_tokens_flagged(builders):
+    """Two continuing decodes, a one-token prompt (vLLM still calls it prefilling) and a CUDA-graph padding row
+    (seq_len 0, the null block): all four are decode rows; only the continuing ones read their slot."""
+    first, second = builders
+    common = batch([21, 1, 5, 0], [1, 1, 1, 0], [False, True, False, False], [1, 2, 3, 0])
+    metadata = first.build(0, common)
+    assert (metadata.num_decodes, metadata.num_prefills) == (4, 0)
+    assert metadata.state_indices_tensor_d[:, 0].tolist() == [1, 2, 3, 0]
+    assert metadata.has_initial_states_d.tolist() == [True, False, True, False]
+    # A captured decode graph of this group reads the builder's persistent flag buffer ...
+    assert metadata.has_initial_states_d.data_ptr() == first.has_initial_states_d.data_ptr()
+    # ... and another group handed the same metadata gets its own slots and its own buffer, same flags.
+    other_blocks = torch.tensor([[4, 9], [5, 9], [6, 9], [0, 0]], dtype=torch.int32)
+    other = second.update_block_table(metadata, other_blocks, common.slot_mapping)
+    assert other.state_indices_tensor_d[:, 0].tolist() == [4, 5, 6, 0]
+    assert other.has_initial_states_d.tolist() == [True, False, True, False]
+    assert other.has_initial_states_d.data_ptr() == second.has_initial_states_d.data_ptr()
+
+
+def test_mixed_batches_keep_first_tokens_prefills(builders):
+    """With a longer prompt in the batch (never replayed from a full graph) a one-token prompt stays a prefill that
+    starts from zero (has_initial_states_p), and decode rows carry no flags."""
+    common = batch([21, 1, 30], [1, 1, 30], [False, True, True], [1, 2, 3])
+    metadata = builders[0].build(0, common)
+    assert (metadata.num_decodes, metadata.num_prefills) == (1, 2)
+    assert metadata.has_initial_states_d is None
+    assert metadata.has_initial_states_p.tolist() == [False, False]
+    assert metadata.state_indices_tensor_p.tolist() == [2, 3]
