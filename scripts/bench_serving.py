@@ -14,9 +14,10 @@ Each is saved with `save_pretrained` (the hybrid then converted by `convert_to_v
 own process, the baselines by vLLM's default attention backend.
 
 For each prompt length L (1k, 8k, 32k, 128k) and 256 output tokens:
-  batch       the most sequences of L + output tokens that vLLM admits at once (its own accounting,
-              `get_max_concurrency_for_kv_cache_config`), capped by `--max-num-seqs` and by `--prefill-budget / L`
-              (the prompt tokens one point may prefill, so the whole run fits in a device call);
+  batch       the most sequences of L + output tokens (+ those decoded while the batch prefills) that vLLM admits
+              at once (its own accounting, `get_max_concurrency_for_kv_cache_config`), capped by `--max-num-seqs`
+              and by `--prefill-budget / L` (the prompt tokens one point may prefill, so the whole run fits in a
+              device call);
   tok/s       output tokens per second while all `batch` sequences decode together: the requests are prefilled
               first (their decodes interleave), then `output_len` engine steps are timed, each giving every
               sequence one token;
@@ -32,6 +33,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -157,7 +159,9 @@ def write_checkpoint(name: str, root: Path, shape: dict, max_len: int) -> Path:
 
     target = root / name
     if (target / "config.json").exists():
-        return target
+        if json.loads((target / "config.json").read_text())["max_position_embeddings"] >= max_len:
+            return target
+        shutil.rmtree(target)  # built for shorter sequences
     torch.manual_seed(0)
     hybrid = hybrid_config(shape, max_len)
     dtype = getattr(torch, shape["dtype"])
@@ -216,6 +220,8 @@ class Engine:
         """Steps until every request in `ids` has its first token (its prompt is prefilled)."""
         started: set[str] = set()
         while len(started) < len(ids):
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"{len(ids) - len(started)} requests ended without a token")
             started.update(out.request_id for out in self.engine.step() if out.outputs[0].token_ids)
 
     def abort(self, ids: list[str]) -> None:
@@ -286,17 +292,28 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
 
 
+def decode_margin(prefill_budget: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """Tokens the first requests of a point may decode while the later ones prefill: each step prefills at least
+    max_num_batched_tokens less one token per running decode, and a point prefills at most `prefill_budget`."""
+    return math.ceil(prefill_budget / (max_num_batched_tokens - max_num_seqs)) + 8
+
+
 def measure_point(engine: Engine, model: str, prompt_len: int, spec: dict) -> Point:
-    output_len, vocab = spec["output_len"], spec["vocab_size"]
-    # Requests prefilled first decode while later ones prefill (one chunk of max_num_batched_tokens a step), so
-    # each asks for enough tokens beyond output_len that none finishes inside the timed steps.
-    margin = math.ceil(spec["prefill_budget"] / spec["engine"]["max_num_batched_tokens"]) + 8
+    output_len, vocab, engine_args = spec["output_len"], spec["vocab_size"], spec["engine"]
+    margin = decode_margin(spec["prefill_budget"], engine_args["max_num_batched_tokens"], engine_args["max_num_seqs"])
     capacity = engine.capacity(prompt_len + output_len + margin)
-    batch = max(1, min(capacity, spec["engine"]["max_num_seqs"], spec["prefill_budget"] // prompt_len))
-    full = engine.decode_run(
-        random_prompts(batch, prompt_len, vocab, seed=prompt_len), output_len, output_len + margin
-    )
-    alone = engine.decode_run(random_prompts(1, prompt_len, vocab, seed=prompt_len + 1), output_len, output_len + 8)
+    batch = max(1, min(capacity, engine_args["max_num_seqs"], spec["prefill_budget"] // prompt_len))
+    # Requests never finish inside the timed steps: they ask for all the tokens the model length leaves, and are
+    # aborted after the timed steps.
+    max_tokens = engine_args["max_model_len"] - prompt_len
+    full = engine.decode_run(random_prompts(batch, prompt_len, vocab, seed=prompt_len), output_len, max_tokens)
+    alone = engine.decode_run(random_prompts(1, prompt_len, vocab, seed=prompt_len + 1), output_len, max_tokens)
+    if full["min_step_tokens"] < batch:
+        print(
+            f"WARNING {model} L={prompt_len}: a timed step gave {full['min_step_tokens']} tokens for {batch} sequences"
+            " (preemption?): this point's throughput is not at its batch",
+            file=sys.stderr,
+        )
     return Point(
         model=model,
         prompt_len=prompt_len,
@@ -424,7 +441,7 @@ def run(args) -> dict:
     if args.prefill_budget:
         shape["prefill_budget"] = args.prefill_budget
     on_gpu = torch.cuda.is_available()
-    margin = math.ceil(shape["prefill_budget"] / args.max_num_batched_tokens) + 64
+    margin = decode_margin(shape["prefill_budget"], args.max_num_batched_tokens, args.max_num_seqs)
     max_model_len = max(shape["prompt_lens"]) + shape["output_len"] + margin
     if args.prefix:
         max_model_len = max(max_model_len, sum(shape["prefix"][:2]) + shape["output_len"])
@@ -483,7 +500,7 @@ def table(results: list[dict]) -> str:
     for prompt_len in sorted({p["prompt_len"] for p in points}):
         for model in MODELS:
             if p := by.get((model, prompt_len)):
-                partial = "" if p["min_step_tokens"] == p["batch"] else f" (min {p['min_step_tokens']}/step)"
+                partial = "" if p["min_step_tokens"] == p["batch"] else f" (INVALID: {p['min_step_tokens']}/step)"
                 lines.append(
                     f"| {prompt_len:,} | {model} | {p['batch']} ({p['capacity']:,}) | {p['decode_tok_s']:,.0f}"
                     f"{partial} | {p['tpot_ms']:.2f} | {p['bytes_per_seq'] / 2**20:,.1f} | {p['prefill_tok_s']:,.0f} |"
@@ -494,8 +511,8 @@ def table(results: list[dict]) -> str:
         for base in ("llama", "swa"):
             if hybrid and (other := by.get((base, prompt_len))):
                 ratios.append(
-                    f"L={prompt_len:,}: hybrid / {base} output tok/s = "
-                    f"{hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x, TPOT {other['tpot_ms'] / hybrid['tpot_ms']:.2f}x"
+                    f"L={prompt_len:,}: hybrid / {base}: output tok/s {hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x,"
+                    f" TPOT at batch 1 {hybrid['tpot_ms'] / other['tpot_ms']:.2f}x"
                 )
     for r in results:
         for model, tables in r.get("profiles", {}).items():

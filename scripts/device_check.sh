@@ -9,7 +9,7 @@
 #                                          # K: a pytest -k expression. With HYBRID_VLLM_FULL_CUDA_GRAPHS=1 in the
 #                                          # environment, the hybrid serves decode batches from full CUDA graphs
 #   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
-#                                          # `serving --models hybrid,swa --prefix` then `serving --models llama`
+#                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #
 # The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
 # that downloads them) and installed to /tmp/site.
@@ -41,8 +41,13 @@ case "${1:-kernels}" in
     # results nor loses its own report when the call's limit comes.
     status=0
     echo "HYBRID_VLLM_FULL_CUDA_GRAPHS=${HYBRID_VLLM_FULL_CUDA_GRAPHS:-0}" | tee -a "$OUT/pytest_vllm.log"
-    for test in $(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm.py \
-                  ${2:+-k "$2"} | grep '::'); do
+    tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm_ssm_metadata.py \
+            tests/test_vllm.py ${2:+-k "$2"} | grep '::')
+    if [[ -z $tests ]]; then
+      echo "no vLLM test collected: is vLLM staged and importable?" >&2
+      exit 1
+    fi
+    for test in $tests; do
       echo "=== $test" >> "$OUT/pytest_vllm.log"
       timeout "${VLLM_TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:warnings -rA --tb=short "$test" \
         >> "$OUT/pytest_vllm.log" 2>&1

@@ -214,24 +214,32 @@ def test_first_token_rows_start_from_a_zero_state(kernels, fused):
     batch) ignore their stale slot: their output is the scan over that one token from a zero state, and the slot
     then holds that scan's state; the other rows continue from their slots as before."""
     g = torch.Generator().manual_seed(11)
-    seq_lens = [37, 1, 0, 64, 1]  # rows 1 and 4: one-token prompts; row 2: padding
+    # Rows 1 and 4: one-token prompts. Row 2: CUDA-graph padding as vLLM pads a replayed decode batch (seq_len 0,
+    # the null block's slot 0, flag False): zero attention, and whatever it computes lands in the null block only.
+    seq_lens = [37, 1, 0, 64, 1]
     batch, channels, state, num_slots = len(seq_lens), 40, 16, 9
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
         batch, channels, state, num_slots, torch.float32, torch.float32, g
     )
-    state_indices = torch.tensor([7, 2, -1, 5, 0], dtype=torch.int32, device=DEVICE)
-    has_initial_state = torch.tensor([True, False, True, True, False], device=DEVICE)
+    state_indices = torch.tensor([7, 2, 0, 5, 8], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, False, True, False], device=DEVICE)
     state_ref = ssm_state.clone()
     ssm_out = torch.full_like(u, float("nan"))
     if fused:
         key_cache, value_cache, block_table = make_paged_kv(seq_lens, 24, 16, 2, 16, torch.float32, "triton", g)
         query = torch.randn(batch, 4, 16, generator=g).to(DEVICE)
+        seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+        attn_out = torch.full_like(query, float("nan"))
         kernels.hybrid_decode(
-            *(query, key_cache, value_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)),
-            *(16**-0.5, 24, torch.empty_like(query)),
+            *(query, key_cache, value_cache, block_table, seq_lens, 16**-0.5, 24, attn_out),
             *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
             has_initial_state=has_initial_state,
         )
+        attn_ref = window_attention_decode_ref(
+            query, key_cache, value_cache, block_table, seq_lens, 16**-0.5, 24, torch.empty_like(query)
+        )
+        torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+        assert (attn_out[2] == 0).all()
     else:
         kernels.selective_state_update(
             ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state

@@ -167,7 +167,12 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     model, vllm_dir = checkpoints
     prompts = random_prompts([150, 77, 120, 33, 140, 101, 64, 150], model.config.vocab_size, seed=1)
     result = run_vllm(
-        vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=32, async_scheduling=False
+        vllm_dir,
+        prompts,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        num_gpu_blocks_override=32,
+        async_scheduling=False,
     )
     assert result["preemptions"] > 0, "the KV budget did not force any preemption"
     assert_follows_hf(model, prompts, result["outputs"])

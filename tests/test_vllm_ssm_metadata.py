@@ -6,12 +6,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
-from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
-from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_integration.ssm import HybridSSMMetadataBuilder  # noqa: E402
+from vllm_integration.ssm import HybridSSMMetadataBuilder
 
 
 @pytest.fixture(scope="module")

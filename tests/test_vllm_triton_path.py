@@ -173,4 +173,5 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     used = ssm_metadata.state_indices_tensor_d[:, 0].tolist()
     if ssm_metadata.num_prefills:
         used += ssm_metadata.state_indices_tensor_p.tolist()
-    assert not torch.equal(triton_states[1][used], states[1][used]), "the used slots were updated"
+    for slot in used:
+        assert not torch.equal(triton_states[1][slot], states[1][slot]), f"slot {slot} was not updated"

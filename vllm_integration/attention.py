@@ -76,7 +76,7 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
         key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
         xs, z = xz.chunk(2, dim=-1)  # [T, E] each
-        # Decodes come first in both metadata: the SSM's split (query length 1, not prefilling) cuts the batch.
+        # Decodes come first in both metadata: the SSM builder's split (`token_split`) cuts the batch.
         decode, prefill = token_split(ssm_metadata)
         num_decodes, num_decode_tokens = ssm_metadata.num_decodes, decode.stop
         if num_decodes:
@@ -120,8 +120,9 @@ def hybrid_attention_backend(
     batch's shape alone, so a request whose whole prompt is one token (or whose last prefill chunk is) runs in it as
     a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot buffer for such batches
     and flags those rows, and the decode kernels start them from zero. (Before that builder, a one-token prompt
-    alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get seq_len 0 and vLLM's
-    null block as state slot: zeros out, writes only into the null block."""
+    alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get seq_len 0 (zero
+    attention) and vLLM's null block as state slot (their discarded SSM outputs come from a zero state, and their
+    state writes land in the null block only)."""
     impl_cls = base_backend.get_impl_cls()
     hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
     builder_cls = base_backend.get_builder_cls()

@@ -2,7 +2,7 @@
 
 The adapter declares its state (conv state `[E, K-1]` and ssm state `[E, N]` per slot) and vLLM's KV-cache manager
 allocates it, one slot per running request, exactly as for its in-tree Mamba-1 layer; the adapter registers under
-its own prefix (`{attention prefix}.ssm`) and gets `Mamba1AttentionMetadata` (decode tokens first, then prefills).
+its own prefix (`{attention prefix}.ssm`) and gets `HybridSSMMetadata` (decode tokens first, then prefills).
 
 The branch's steps over a packed batch (decodes first, then prefills: `decode_inputs`, `forward_prefill`) run on
 either of two op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, the PyTorch references
@@ -117,8 +117,8 @@ class HybridSSMBackend(Mamba1AttentionBackend):
         return HybridSSMMetadataBuilder
 
 
-def token_split(metadata: Mamba1AttentionMetadata) -> tuple[slice, slice]:
-    """(decode tokens, prefill tokens) of a packed batch: vLLM orders decodes (one token, not prefilling) first. Rows
+def token_split(metadata: HybridSSMMetadata) -> tuple[slice, slice]:
+    """(decode tokens, prefill tokens) of a packed batch: vLLM orders decodes (one new token) first. Rows
     past both are CUDA-graph padding, left unwritten (every later op works row by row)."""
     num_decode_tokens = metadata.num_decode_tokens
     return slice(0, num_decode_tokens), slice(num_decode_tokens, num_decode_tokens + metadata.num_prefill_tokens)
@@ -224,7 +224,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         return conv_state, self.kv_cache[1]
 
-    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: Mamba1AttentionMetadata):
+    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: HybridSSMMetadata):
         """The whole branch for a packed batch on the PyTorch references (any platform), continuing each request from
         its state slots. The CUDA backend runs the same steps on the Triton kernels, with the decode state update
         fused into its attention launch.
@@ -245,7 +245,13 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         if metadata.num_prefills:
             self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, REFERENCE_KERNELS)
 
-    def decode_inputs(self, xs, state_indices, has_initial_state, kernels: SSMKernels):
+    def decode_inputs(
+        self,
+        xs: torch.Tensor,
+        state_indices: torch.Tensor,
+        has_initial_state: torch.Tensor | None,
+        kernels: SSMKernels,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot (a zero
         history where `has_initial_state` is False), then the input-dependent projections. Returns u [n, E], the raw
         dt (no bias) [n, E], B and C [n, N]."""
@@ -257,7 +263,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         return (u, *self.project(u))
 
     def forward_prefill(
-        self, xs, z, output, metadata: Mamba1AttentionMetadata, kernels: SSMKernels, max_seq_len: int | None = None
+        self, xs, z, output, metadata: HybridSSMMetadata, kernels: SSMKernels, max_seq_len: int | None = None
     ) -> None:
         """The whole branch for the packed prefill sequences, each starting from zero or continuing its slots.
         `max_seq_len` (the longest prefill, from the host-side metadata) spares the Triton scan a device sync."""

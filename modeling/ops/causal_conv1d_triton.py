@@ -684,7 +684,7 @@ def causal_conv1d_update(
     None, conv_state [slots, E, K-1] any strides (updated in place), state_indices [N] int32 (-1 = padding row: output
     zeros, no state touched), has_initial_state [N] bool or None (False: a zero history). Returns out [N, E].
     CUDA-graph safe: shape checks only, grid from shapes, no host sync. Slots of one call must be distinct (vLLM
-    gives each running request its own)."""
+    gives each running request its own), except padding rows on vLLM's null block, whose results nobody reads."""
     check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [N, E], got {tuple(x.shape)}")

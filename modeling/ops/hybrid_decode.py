@@ -16,7 +16,10 @@ Two jobs per decoding request i, both reading one cache and writing one output:
                  zeros.
     SSM update   one step of DESIGN.md's recurrence from the request's state slot, in fp32, written back in place:
                  dt = softplus(dt_raw + dt_bias); state = exp(dt * A) * state + dt * u * B; y = state @ C + D * u;
-                 out = y * silu(z). A slot index of -1 (CUDA-graph padding) leaves every slot alone and writes zeros.
+                 out = y * silu(z). A slot index of -1 (padding) leaves every slot alone and writes zeros. A row
+                 whose has_initial_state flag is False starts from a zero state (a request's first token). (vLLM
+                 pads a replayed decode graph with its null block, slot 0, and a False flag instead: such rows
+                 compute from zero and write only the null block.)
 """
 
 import torch

@@ -74,7 +74,7 @@ def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
     return slot
 
 
-@triton.jit(do_not_specialize=["T", "num_chunks"])  # one compilation for every batch shape
+@triton.jit(do_not_specialize=["T", "num_chunks"])  # batch shapes share a compilation per launch configuration
 def _selective_scan_fwd_kernel(
     p_u,
     p_dt,
