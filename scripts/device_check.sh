@@ -62,9 +62,13 @@ case "${1:-kernels}" in
     shift
     export VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
     name=serving-$(date +%H%M%S)
+    touch "/tmp/$name.start"
     timeout 540 python3 scripts/bench_serving.py "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -40
     status=${PIPESTATUS[0]}
-    tail -c 20000 outputs/bench_serving/full/*.log > "$OUT/$name-workers.log" 2>/dev/null
+    # The workers' logs of this run only: each one's start (engine setup: backends, CUDA graphs) and its end.
+    for log in $(find outputs/bench_serving -name '*.log' -newer "/tmp/$name.start"); do
+      { echo "===== $log"; head -c 12000 "$log"; echo; echo "[...]"; tail -c 12000 "$log"; } >> "$OUT/$name-workers.log"
+    done
     exit "$status"
     ;;
   *)
