@@ -258,6 +258,62 @@ def test_first_token_rows_start_from_a_zero_state(kernels, fused):
     torch.testing.assert_close(ssm_state[state_indices[first].long()], final, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
+    """What vLLM's full decode graph does with the fused decode: captured once for a batch of 4 rows (one of them
+    padding on the null block's slot 0), then replayed after new tokens, slots, context lengths and first-token flags
+    were written into the same buffers. Every replay equals the reference run eagerly on the same inputs."""
+    g = torch.Generator().manual_seed(21)
+    window, scale = 24, 16**-0.5
+    lengths = [37, 1, 0, 64]
+    key_cache, value_cache, block_table = make_paged_kv(lengths, window, 16, 2, 16, torch.float32, "triton", g)
+    query = torch.randn(4, 4, 16, generator=g).to(DEVICE)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(4, 40, 16, 9, torch.float32, torch.float32, g)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor([7, 2, 0, 5], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, False, True], device=DEVICE)
+    attn_out, ssm_out = torch.empty_like(query), torch.empty_like(u)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+
+    def step():
+        kernels.hybrid_decode(
+            *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
+            *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+            num_splits=2,
+            counters=counters,
+            has_initial_state=has_initial_state,
+        )
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernel outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for replay in range(2):
+        if replay:  # the next step: rows 0 and 3 swap, new tokens, the one-token prompt now continues
+            for buffer in (block_table, seq_lens, state_indices):
+                buffer.copy_(buffer[[3, 1, 2, 0]])
+            has_initial_state.copy_(torch.tensor([True, True, False, False], device=DEVICE))
+            for buffer in (query, u, dt, z, B, C):
+                buffer.copy_(torch.randn(buffer.shape, generator=g).to(DEVICE))
+        state_ref = ssm_state.clone()
+        attn_ref, ssm_ref = hybrid_decode_ref(
+            *(query, key_cache, value_cache, block_table, seq_lens, scale, window, torch.empty_like(query)),
+            *(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u)),
+            has_initial_state=has_initial_state,
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ssm_out, ssm_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(counters, torch.zeros_like(counters))
+
+
 def test_hybrid_decode_split_counters_reset(kernels):
     """With split-K a persistent counter buffer comes back zeroed, so a second launch (a CUDA-graph replay, the next
     layer) merges its splits correctly too."""
