@@ -317,5 +317,6 @@ class HybridSSMAdapter(MambaBase, nn.Module):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        # The state layout and metadata of Mamba-1: vLLM builds Mamba1AttentionMetadata for this layer.
+        # The state layout of Mamba-1 (vLLM's copy and allocation code); the metadata is HybridSSMMetadata, a
+        # Mamba1AttentionMetadata, from get_attn_backend's builder.
         return MambaAttentionBackendEnum.MAMBA1

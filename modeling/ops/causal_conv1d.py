@@ -147,7 +147,7 @@ def causal_conv1d_update_ref(
     for row, (slot, continues_from_slot) in enumerate(zip(state_indices.tolist(), continues)):
         if slot < 0:
             continue
-        history = conv_state[slot].float() if continues_from_slot else conv_state.new_zeros(conv_state.shape[1:])
+        history = conv_state[slot] if continues_from_slot else conv_state.new_zeros(conv_state.shape[1:])
         window = torch.cat([history.float(), x[row, :, None].float()], dim=-1)  # [E, K]
         out[row] = _depthwise_causal(window[None], weight.float(), bias, activation)[0, :, 0]
         conv_state[slot] = window[:, 1:].to(conv_state.dtype)
