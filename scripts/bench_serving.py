@@ -392,7 +392,8 @@ def worker(spec: dict) -> dict:
     for prompt_len in spec["prompt_lens"]:
         points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
         print(json.dumps(points[-1]), file=sys.stderr, flush=True)
-    return {"points": points}
+    # What vLLM settled on once every backend declared its CUDA-graph support (e.g. FULL_AND_PIECEWISE).
+    return {"points": points, "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode)}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,8 +434,6 @@ def run_worker(spec: dict, log_path: Path) -> dict:
 
 def run(args) -> dict:
     """Every requested model, one after another; the results so far are saved after each (`--json`)."""
-    from vllm_integration.attention import full_cuda_graphs_enabled
-
     shape = dict(SMOKE if args.smoke else FULL)
     if args.prompt_lens:
         shape["prompt_lens"] = tuple(int(n) for n in args.prompt_lens.split(","))
@@ -463,7 +462,8 @@ def run(args) -> dict:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip(),
         "settings": {k: v for k, v in spec.items() if k != "prefix"}
-        | {"max_model_len": max_model_len, "hybrid_full_cuda_graphs": full_cuda_graphs_enabled()},
+        | {"max_model_len": max_model_len},
+        "cudagraph_modes": {},
         "points": [],
     }
     for model in args.models.split(","):
@@ -476,7 +476,9 @@ def run(args) -> dict:
             result.setdefault("profiles", {})[model] = profile
             save(result, args.json)
             continue
-        result["points"] += run_worker(worker_spec, root / f"{model}.log")["points"]
+        measured = run_worker(worker_spec, root / f"{model}.log")
+        result["points"] += measured["points"]
+        result["cudagraph_modes"][model] = measured["cudagraph_mode"]
         save(result, args.json)
         if model == "hybrid" and args.prefix:
             worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=True)
@@ -515,6 +517,8 @@ def table(results: list[dict]) -> str:
                     f" TPOT at batch 1 {hybrid['tpot_ms'] / other['tpot_ms']:.2f}x"
                 )
     for r in results:
+        if modes := r.get("cudagraph_modes"):
+            ratios.append("vLLM's CUDA-graph mode: " + ", ".join(f"{m} {mode}" for m, mode in modes.items()))
         for model, tables in r.get("profiles", {}).items():
             ratios += [f"\n## profile: {model}, {what}\n{table}" for what, table in tables.items()]
     prefix = [r["prefix"] for r in results if "prefix" in r]

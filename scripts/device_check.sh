@@ -6,8 +6,7 @@
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep)
 #   bash scripts/device_check.sh vllm [K]  # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
 #                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2;
-#                                          # K: a pytest -k expression. With HYBRID_VLLM_FULL_CUDA_GRAPHS=1 in the
-#                                          # environment, the hybrid serves decode batches from full CUDA graphs
+#                                          # K: a pytest -k expression
 #   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #
@@ -40,7 +39,6 @@ case "${1:-kernels}" in
     # One pytest per test, each under its own time limit, so that a slow or failing test neither hides the others'
     # results nor loses its own report when the call's limit comes.
     status=0
-    echo "HYBRID_VLLM_FULL_CUDA_GRAPHS=${HYBRID_VLLM_FULL_CUDA_GRAPHS:-0}" | tee -a "$OUT/pytest_vllm.log"
     tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm_ssm_metadata.py \
             tests/test_vllm.py ${2:+-k "$2"} | grep '::')
     if [[ -z $tests ]]; then

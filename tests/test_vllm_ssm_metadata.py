@@ -18,6 +18,8 @@ from vllm_integration.ssm import HybridSSMMetadataBuilder
 def builders():
     """Two builders of one state spec, as vLLM makes for two SSM KV-cache groups."""
     config = VllmConfig()
+    # Decode graphs of up to 8 rows, on every platform (vLLM's defaults differ: none on a GPU without a model config).
+    config.compilation_config.max_cudagraph_capture_size = 8
     spec = MambaSpec(
         block_size=16,
         shapes=((24, 3), (24, 8)),

@@ -15,7 +15,6 @@ window and the SSM state once, prefills through the paged window attention and t
 """
 
 import functools
-import os
 
 import torch
 from torch.library import Library
@@ -102,32 +101,29 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
             )
 
 
-def full_cuda_graphs_enabled() -> bool:
-    """Full CUDA graphs for decode batches: opt-in (`HYBRID_VLLM_FULL_CUDA_GRAPHS=1`) until checked on a GPU."""
-    return os.environ.get("HYBRID_VLLM_FULL_CUDA_GRAPHS", "0") == "1"
-
-
 @functools.cache
 def hybrid_attention_backend(
-    base_backend: type[AttentionBackend], impl_mixin: type[HybridAttentionImplMixin], full_cuda_graphs: bool
+    base_backend: type[AttentionBackend],
+    impl_mixin: type[HybridAttentionImplMixin],
+    cudagraph_support: AttentionCGSupport,
 ) -> type[AttentionBackend]:
     """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata and name (vLLM looks backends
     up by name), with the hybrid impl.
 
-    CUDA graphs: with `full_cuda_graphs`, batches in which every request has one new token replay a full graph (the
-    whole step, the hybrid op included); the others run in piecewise graphs with the hybrid op between them (still
-    torch.compile'd). Without it, every batch runs piecewise. vLLM picks the full "uniform decode" graph from the
-    batch's shape alone, so a request whose whole prompt is one token (or whose last prefill chunk is) runs in it as
-    a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot buffer for such batches
-    and flags those rows, and the decode kernels start them from zero. (Before that builder, a one-token prompt
-    alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get seq_len 0 (zero
-    attention) and vLLM's null block as state slot (their discarded SSM outputs come from a zero state, and their
-    state writes land in the null block only)."""
+    CUDA graphs (`cudagraph_support`): with UNIFORM_SINGLE_TOKEN_DECODE (the Triton flavour), batches in which every
+    request has one new token replay a full graph (the whole step, the hybrid op included; vLLM's default
+    FULL_AND_PIECEWISE mode) and the others run in piecewise graphs with the hybrid op between them; with NEVER, or
+    `compilation_config={"cudagraph_mode": "PIECEWISE"}`, every batch runs piecewise. vLLM picks the full "uniform
+    decode" graph from the batch's shape alone, so a request whose whole prompt is one token (or whose last prefill
+    chunk is) runs in it as a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot
+    buffer for such batches and flags those rows, and the decode kernels start them from zero. (Before that builder,
+    a one-token prompt alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get
+    seq_len 0 (zero attention) and vLLM's null block as state slot (their discarded SSM outputs come from a zero
+    state, and their state writes land in the null block only)."""
     impl_cls = base_backend.get_impl_cls()
     hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
     builder_cls = base_backend.get_builder_cls()
-    support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if full_cuda_graphs else AttentionCGSupport.NEVER
-    hybrid_builder = type(f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": support})
+    hybrid_builder = type(f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": cudagraph_support})
     return type(
         f"HybridAttentionBackend_{base_backend.__name__}",
         (base_backend,),
@@ -164,13 +160,14 @@ class HybridAttentionLayer(Attention):
                     f"HybridAttentionLayer's Triton kernels support kv_cache_dtype 'auto' only, not {cache_dtype!r}"
                 )
             backend = hybrid_attention_backend(
-                TritonAttentionBackend, TritonHybridImplMixin, full_cuda_graphs_enabled()
+                TritonAttentionBackend, TritonHybridImplMixin, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
             )
         else:
             platform_backend = get_attn_backend(
                 head_size, torch.get_default_dtype(), cache_dtype, has_sliding_window=sliding_window is not None
             )
-            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin, full_cuda_graphs=False)
+            # The SSM references are not checked under graph capture: piecewise graphs only, if the platform has any.
+            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin, AttentionCGSupport.NEVER)
         super().__init__(
             num_heads,
             head_size,
