@@ -558,7 +558,8 @@ def plot(results: list[dict], path: str) -> None:
     shape = meta["settings"]
     figure.suptitle(
         f"vLLM, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, window {shape['window']}, "
-        f"{shape['output_len']} output tokens: {meta['device']}, {meta['date']}, commit {meta['commit']}"
+        f"{shape['output_len']} output tokens: {meta['device']}, {meta['date']}, "
+        f"commit {', '.join(dict.fromkeys(r['commit'] for r in results))}"
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
