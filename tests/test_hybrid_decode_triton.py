@@ -314,6 +314,45 @@ def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
         assert torch.equal(counters, torch.zeros_like(counters))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts compilations (the interpreter compiles nothing)")
+def test_hybrid_decode_compiles_once_for_every_batch_size_and_split_count(kernels):
+    """Serving hands the fused decode every batch size, and the batch size picks the split count: one compilation
+    with split-K and one without serve them all (a variant per value would stall serving for seconds each)."""
+    g = torch.Generator().manual_seed(5)
+    window, num_heads, num_kv_heads, head_dim = 24, 4, 2, 16
+
+    def launch(batch, splits):
+        lengths = [40] * batch  # the same block-table width (a specialized stride) for every batch
+        key_cache, value_cache, block_table = make_paged_kv(
+            lengths, window, 16, num_kv_heads, head_dim, torch.float32, "triton", g
+        )
+        query = torch.randn(batch, num_heads, head_dim, generator=g).to(DEVICE)
+        ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(batch, 32, 16, batch, torch.float32,
+                                                                     torch.float32, g)  # fmt: skip
+        state_indices = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        attn_out = torch.full_like(query, float("nan"))
+        kernels.hybrid_decode(
+            *(query, key_cache, value_cache, block_table, seq_lens, head_dim**-0.5, window, attn_out),
+            *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u)),
+            num_splits=splits,
+        )
+        attn_ref = window_attention_decode_ref(
+            query, key_cache, value_cache, block_table, seq_lens, head_dim**-0.5, window, torch.empty_like(query)
+        )
+        torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+
+    def compilations():
+        return sum(len(caches[0]) for caches in kernels._hybrid_decode_kernel.device_caches.values())
+
+    launch(1, 2)
+    launch(1, 1)
+    compiled = compilations()
+    for batch, splits in [(3, 3), (6, 2), (2, 5), (5, 1), (7, 4), (16, 1)]:
+        launch(batch, splits)
+    assert compilations() == compiled
+
+
 def test_hybrid_decode_split_counters_reset(kernels):
     """With split-K a persistent counter buffer comes back zeroed, so a second launch (a CUDA-graph replay, the next
     layer) merges its splits correctly too."""

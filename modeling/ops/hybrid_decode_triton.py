@@ -18,7 +18,9 @@ share of the window in [BLOCK_N, D] tiles with an online softmax (base 2, fp32).
 Split-K: with SPLITS > 1 the window's tiles are shared out between SPLITS programs per (request, kv head), for
 enough programs to keep HBM busy when B * KVH is small. Each writes its partial (running max, sum, unnormalised
 output) to a fp32 workspace and increments a per-(request, kv head) counter; the program that arrives last merges
-the SPLITS partials, writes the output and resets the counter to zero, all in the same launch. The counter must be
+the SPLITS partials, writes the output and resets the counter to zero, all in the same launch. SPLITS is a runtime
+argument, not a constant of the compilation: it follows the batch size, and a constant would compile a variant per
+value while serving (seen on the H200: seconds of compiles in the first mixed batches). The counter must be
 zero before the launch: the launcher zeroes a fresh one unless it is handed a persistent zeroed `counters` buffer
 (which the kernel leaves zeroed, so one buffer serves every layer and every CUDA-graph replay on one stream).
 """
@@ -189,9 +191,10 @@ def _window_attention_split(
     s_bt,
     s_o_b,
     s_o_h,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -200,9 +203,9 @@ def _window_attention_split(
     """Window attention of one (request, kv head, split) program of `hybrid_decode`: the G query heads of kv head
     `i_h` against this split's tiles of the window. Keys outside [start, seq_len) are masked, never loaded, so
     blocks freed before the window (null blocks) are never read."""
-    i_s = pid % SPLITS
-    i_h = (pid // SPLITS) % KVH
-    i_b = pid // (SPLITS * KVH)
+    i_s = pid % num_splits
+    i_h = (pid // num_splits) % KVH
+    i_b = pid // (num_splits * KVH)
 
     o_g = tl.arange(0, BLOCK_G)
     o_d = tl.arange(0, BLOCK_D)
@@ -216,7 +219,7 @@ def _window_attention_split(
     # Tiles are aligned to multiples of BLOCK_N positions; this split owns a contiguous run of them.
     tile_lo = start // BLOCK_N
     tile_hi = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tile_hi - tile_lo, SPLITS)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_splits)
     split_lo = tile_lo + i_s * tiles_per_split
     split_hi = tl.minimum(split_lo + tiles_per_split, tile_hi)
 
@@ -247,29 +250,29 @@ def _window_attention_split(
         b_m = b_m_new
 
     p_out = p_o + i_b.to(tl.int64) * s_o_b + o_heads[:, None] * s_o_h + o_d[None, :]
-    if SPLITS == 1:
+    if not SPLIT_K:
         # An empty window (seq_len == 0: CUDA-graph padding) has b_l == 0 and b_acc == 0: it writes zeros.
         b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
         tl.store(p_out, b_o.to(p_o.dtype.element_ty), mask=m_gd)
     else:
-        # Partials of (request, kv head) are [SPLITS, G, D] (output) and [SPLITS, 2, G] (max, sum), fp32.
+        # Partials of (request, kv head) are [num_splits, G, D] (output) and [num_splits, 2, G] (max, sum), fp32.
         i_pair = i_b * KVH + i_h
-        p_part_o_pair = p_part_o + i_pair.to(tl.int64) * SPLITS * G * HEAD_DIM
-        p_part_ml_pair = p_part_ml + i_pair.to(tl.int64) * SPLITS * 2 * G
+        p_part_o_pair = p_part_o + i_pair.to(tl.int64) * num_splits * G * HEAD_DIM
+        p_part_ml_pair = p_part_ml + i_pair.to(tl.int64) * num_splits * 2 * G
         o_gd = o_g[:, None] * HEAD_DIM + o_d[None, :]
         tl.store(p_part_o_pair + i_s * G * HEAD_DIM + o_gd, b_acc, mask=m_gd)
         tl.store(p_part_ml_pair + i_s * 2 * G + o_g, b_m, mask=m_g)
         tl.store(p_part_ml_pair + i_s * 2 * G + G + o_g, b_l, mask=m_g)
         # Release: the barrier orders every thread's partial stores before the counter increment (acq_rel, gpu
-        # scope); the last program's acquire then sees all SPLITS partials (loaded bypassing L1: .cg).
+        # scope); the last program's acquire then sees all num_splits partials (loaded bypassing L1: .cg).
         tl.debug_barrier()
         n_before = tl.atomic_add(p_counters + i_pair, 1, sem="acq_rel", scope="gpu")
-        if n_before == SPLITS - 1:
+        if n_before == num_splits - 1:
             tl.store(p_counters + i_pair, 0)  # every split has arrived: ready for the next launch
             b_m_all = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
             b_l_all = tl.zeros([BLOCK_G], dtype=tl.float32)
             b_acc_all = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-            for i_p in tl.static_range(SPLITS):
+            for i_p in tl.range(0, num_splits):
                 p_ml = p_part_ml_pair + i_p * 2 * G + o_g
                 b_m_p = tl.load(p_ml, mask=m_g, other=float("-inf"), cache_modifier=".cg")
                 b_l_p = tl.load(p_ml + G, mask=m_g, other=0.0, cache_modifier=".cg")
@@ -287,7 +290,8 @@ def _window_attention_split(
             tl.store(p_out, b_o.to(p_o.dtype.element_ty), mask=m_gd)
 
 
-@triton.jit(do_not_specialize=["num_attn_programs"])  # one compilation for every batch size
+# One compilation for every batch size and split count: the split count only picks SPLIT_K (split or not).
+@triton.jit(do_not_specialize=["num_attn_programs", "num_splits"])
 def _hybrid_decode_kernel(
     # attention
     p_q,
@@ -343,9 +347,10 @@ def _hybrid_decode_kernel(
     # grid split
     num_attn_programs,
     num_e_blocks,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -384,9 +389,10 @@ def _hybrid_decode_kernel(
             s_bt,
             s_o_b,
             s_o_h,
+            num_splits,
             HEAD_DIM,
             PAGE_SIZE,
-            SPLITS,
+            SPLIT_K,
             BLOCK_G,
             BLOCK_N,
             BLOCK_D,
@@ -613,7 +619,7 @@ def hybrid_decode(
         assert counters.dtype == torch.int32 and counters.numel() >= num_pairs and counters.is_contiguous(), (
             f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros"
         )
-    else:  # never dereferenced: SPLITS == 1 writes attn_out directly
+    else:  # never dereferenced: without split-K the programs write attn_out directly
         part_o = part_ml = counters = attn_out
     num_attn_programs = num_pairs * splits
     num_e_blocks = triton.cdiv(num_channels, block_e)
@@ -631,9 +637,10 @@ def hybrid_decode(
         *_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state),
         num_attn_programs,
         num_e_blocks,
+        splits,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
-        SPLITS=splits,
+        SPLIT_K=splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
