@@ -117,6 +117,7 @@ def uniform_decode_step(g):
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
 def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
+    from modeling.ops import hybrid_decode_triton
     from vllm_integration import attention
     from vllm_integration.attention import TritonHybridImplMixin
 
@@ -130,6 +131,15 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
         return kernels.scan_varlen(*args, **kwargs)
 
     monkeypatch.setattr(attention, "triton_kernels", lambda: dataclasses.replace(kernels, scan_varlen=scan_varlen))
+    # The fused decode must get the layer's persistent split-K counters: a fresh buffer is a memset per layer.
+    decode_counters = []
+    fused_decode = hybrid_decode_triton.hybrid_decode
+
+    def hybrid_decode(*args, **kwargs):
+        decode_counters.append(kwargs.get("counters"))
+        return fused_decode(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid_decode_triton, "hybrid_decode", hybrid_decode)
 
     g = torch.Generator().manual_seed(1)
     attn_metadata, ssm_metadata, num_tokens = step(g)
@@ -141,7 +151,8 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
         torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
         torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
     )
-    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W)
+    split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
     impl = SimpleNamespace(scale=D**-0.5)
 
     # The Triton path, outputs poisoned.
@@ -153,6 +164,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
             impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
         )
     triton_states = ssm_adapter.kv_cache
+    assert decode_counters == ([split_counters] if ssm_metadata.num_decodes else []), "no persistent counters"
     assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
 
     # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.

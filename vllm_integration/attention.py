@@ -86,7 +86,7 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
                 query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
                 attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
                 ssm.state_views()[1], u, dt, ssm.A, B, C, ssm.D, z[decode], ssm.dt_proj.bias, state_indices,
-                ssm_output[decode], has_initial_state=has_initial_state,
+                ssm_output[decode], has_initial_state=has_initial_state, counters=layer.split_counters,
             )  # fmt: skip
         if ssm_metadata.num_prefills:
             paged_window_attention(
@@ -180,6 +180,16 @@ class HybridAttentionLayer(Attention):
             **extra_impl_args,
         )
         self.window = sliding_window  # DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
+        if current_platform.is_cuda():
+            # The fused decode's split-K arrival counters, which every launch leaves zeroed: kept here so that no
+            # decode step zeroes a fresh buffer (a memset per layer, captured into every decode graph).
+            vllm_config = get_current_vllm_config()
+            max_rows = max(
+                vllm_config.scheduler_config.max_num_seqs,
+                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
+            )
+            counters = torch.zeros(max_rows * self.num_kv_heads, dtype=torch.int32)
+            self.register_buffer("split_counters", counters, persistent=False)
         self.ssm = HybridSSMAdapter(
             intermediate_size=ssm_intermediate_size,
             state_size=ssm_state_size,
