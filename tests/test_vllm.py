@@ -71,13 +71,14 @@ def hf_greedy(model, prompt):
     return tokens, [lp[t].item() for lp, t in zip(logprobs, tokens)], [(v[0] - v[1]).item() for v in top2]
 
 
-def run_vllm(model_dir, requests, alone=False, environment=None, **engine):
+def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=None, **engine):
     spec = {
         "model": str(model_dir),
         "llm": {**ENGINE, **engine},
         "requests": requests,
         "max_tokens": MAX_TOKENS,
         "alone": alone,
+        "state_dtypes": state_dtypes,
     }
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
@@ -156,6 +157,23 @@ def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
     result = run_vllm(vllm_dir, prompts, alone=True)
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
+def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
+    """`mamba_ssm_cache_dtype="bfloat16"` on the fp32 model: vLLM allocates the SSM state slots in bf16 (the conv
+    state stays in the model's dtype) and every step reads and rounds them; tokens follow Transformers (fp32), and
+    logprobs within bf16 tolerance. (On this model the rounding moves logprobs by ~1e-7, far below the tie gap.)"""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 40, 10 * WINDOW, 1, 77], model.config.vocab_size, seed=7)
+    result = run_vllm(
+        vllm_dir,
+        prompts,
+        mamba_ssm_cache_dtype="bfloat16",
+        state_dtypes=True,
+        environment={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine in the process that reads its caches
+    )
+    assert result["state_dtypes"] == [["torch.float32", "torch.bfloat16"]] * model.config.num_hidden_layers
+    assert_follows_hf(model, prompts, result["outputs"], atol=BF16_TIE)
 
 
 def test_chunked_prefill_and_preemption_match_transformers(checkpoints):

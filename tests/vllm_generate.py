@@ -3,7 +3,9 @@
     python tests/vllm_generate.py SPEC.json   (prints {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]})
 
 SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...], "max_tokens": n,
-       "alone": bool (also generate each request in its own call; returned as "alone_outputs")}
+       "alone": bool (also generate each request in its own call; returned as "alone_outputs"),
+       "state_dtypes": bool (also return the dtypes of the SSM state caches vLLM allocated, conv and ssm, per layer;
+                       needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)}
 """
 
 import json
@@ -29,6 +31,10 @@ def run(spec: dict) -> dict:
     result = {"outputs": generate(spec["requests"])}
     if spec.get("alone"):
         result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
+    if spec.get("state_dtypes"):
+        (result["state_dtypes"],) = llm.apply_model(
+            lambda model: [[str(t.dtype) for t in m.kv_cache] for n, m in model.named_modules() if n.endswith(".ssm")]
+        )
     counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
     result["preemptions"] = counters.get("vllm:num_preemptions", 0)
     result["prefix_cache_queries"] = counters.get("vllm:prefix_cache_queries", 0)
