@@ -232,14 +232,15 @@ class Engine:
 
     def warm_up(self, count: int, prompt_len: int, vocab_size: int) -> None:
         """Compiles what the batch compositions of serving compile, before anything is timed: requests arrive one per
-        engine step until `count` run (mixed batches of 0 to count - 1 decodes and one prefill), then leave. A server
-        that has run before finds these kernels in Triton's disk cache; a fresh machine compiles them while serving
-        its first requests, which is not what the timed points measure."""
+        engine step until `count` run (mixed batches of 0 to count - 1 decodes beside one prefill, which take the
+        fused decode with and without split-K), then leave. A server that has run before finds its Triton kernels
+        in Triton's disk cache; a fresh machine compiles them while serving its first requests, which is not what
+        the timed points measure. (Prefill tile variants for short last chunks may still compile later.)"""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=count + 8, temperature=0.0, ignore_eos=True, detokenize=False)
         ids = []
-        for prompt in random_prompts(count, prompt_len, vocab_size, seed=3):
+        for prompt in random_prompts(count, prompt_len, vocab_size, seed=11):
             ids += self.submit([prompt], params)
             self.engine.step()
         self.abort(ids)
@@ -307,17 +308,29 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
 
 
-def decode_margin(prefill_budget: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """Tokens the first requests of a point may decode while the later ones prefill: each step prefills at least
-    max_num_batched_tokens less one token per running decode, and a point prefills at most `prefill_budget`."""
-    return math.ceil(prefill_budget / (max_num_batched_tokens - max_num_seqs)) + 8
+def point_plan(
+    prompt_len: int, prefill_budget: int, max_num_seqs: int, max_num_batched_tokens: int
+) -> tuple[int, int]:
+    """(the most sequences a point at `prompt_len` runs, before vLLM's capacity caps them; the tokens the first of
+    them may decode while the last ones prefill). Each step prefills at least max_num_batched_tokens less one token
+    per running decode, and a point prefills at most `prefill_budget` prompt tokens."""
+    most = max(1, min(max_num_seqs, prefill_budget // prompt_len))
+    margin = math.ceil(most * prompt_len / (max_num_batched_tokens - max_num_seqs)) + 8
+    return most, margin
 
 
 def measure_point(engine: Engine, model: str, prompt_len: int, spec: dict) -> Point:
     output_len, vocab, engine_args = spec["output_len"], spec["vocab_size"], spec["engine"]
-    margin = decode_margin(spec["prefill_budget"], engine_args["max_num_batched_tokens"], engine_args["max_num_seqs"])
+    most, margin = point_plan(
+        prompt_len, spec["prefill_budget"], engine_args["max_num_seqs"], engine_args["max_num_batched_tokens"]
+    )
     capacity = engine.capacity(prompt_len + output_len + margin)
-    batch = max(1, min(capacity, engine_args["max_num_seqs"], spec["prefill_budget"] // prompt_len))
+    if capacity < most:  # fewer sequences prefill fewer tokens, so fewer are decoded meanwhile: ask again
+        _, margin = point_plan(
+            prompt_len, capacity * prompt_len, engine_args["max_num_seqs"], engine_args["max_num_batched_tokens"]
+        )
+        capacity = engine.capacity(prompt_len + output_len + margin)
+    batch = max(1, min(capacity, most))
     # Requests never finish inside the timed steps: they ask for all the tokens the model length leaves, and are
     # aborted after the timed steps.
     max_tokens = engine_args["max_model_len"] - prompt_len
@@ -392,7 +405,9 @@ def worker(spec: dict) -> dict:
     # Warm-up: compiles whatever kernels a first prefill and decode and the mixed batches compile, outside the timed
     # steps.
     engine.decode_run(random_prompts(2, spec["prompt_lens"][0], spec["vocab_size"], seed=0), 4, 12)
-    largest_batch = min(spec["max_num_seqs"], spec["prefill_budget"] // min(spec["prompt_lens"]))
+    largest_batch, _ = point_plan(
+        min(spec["prompt_lens"]), spec["prefill_budget"], spec["max_num_seqs"], spec["max_num_batched_tokens"]
+    )
     engine.warm_up(largest_batch, spec["window"] // 2, spec["vocab_size"])
     if spec.get("prefix_only"):
         return {"prefix": prefix_workload(engine, spec)}
@@ -459,8 +474,9 @@ def run(args) -> dict:
     if args.prefill_budget:
         shape["prefill_budget"] = args.prefill_budget
     on_gpu = torch.cuda.is_available()
-    margin = decode_margin(shape["prefill_budget"], args.max_num_batched_tokens, args.max_num_seqs)
-    max_model_len = max(shape["prompt_lens"]) + shape["output_len"] + margin
+    # Room for the longest point's prompt, output and the tokens decoded while its batch prefills.
+    plan = (shape["prefill_budget"], args.max_num_seqs, args.max_num_batched_tokens)
+    max_model_len = max(n + shape["output_len"] + point_plan(n, *plan)[1] for n in shape["prompt_lens"])
     if args.prefix:
         max_model_len = max(max_model_len, sum(shape["prefix"][:2]) + shape["output_len"])
     root = Path(args.work_dir) / ("smoke" if args.smoke else "full")
@@ -480,8 +496,7 @@ def run(args) -> dict:
         or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
         ).stdout.strip(),
-        "settings": {k: v for k, v in spec.items() if k != "prefix"}
-        | {"max_model_len": max_model_len},
+        "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
         "cudagraph_modes": {},
         "points": [],
     }

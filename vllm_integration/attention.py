@@ -182,13 +182,10 @@ class HybridAttentionLayer(Attention):
         self.window = sliding_window  # DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
         if current_platform.is_cuda():
             # The fused decode's split-K arrival counters, which every launch leaves zeroed: kept here so that no
-            # decode step zeroes a fresh buffer (a memset per layer, captured into every decode graph).
-            vllm_config = get_current_vllm_config()
-            max_rows = max(
-                vllm_config.scheduler_config.max_num_seqs,
-                vllm_config.compilation_config.max_cudagraph_capture_size or 0,
-            )
-            counters = torch.zeros(max_rows * self.num_kv_heads, dtype=torch.int32)
+            # decode step zeroes a fresh buffer (a memset per layer, captured into every decode graph). One per
+            # (request, kv head): vLLM runs and pads decode batches to at most max_num_seqs requests.
+            max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
+            counters = torch.zeros(max_num_seqs * self.num_kv_heads, dtype=torch.int32)
             self.register_buffer("split_counters", counters, persistent=False)
         self.ssm = HybridSSMAdapter(
             intermediate_size=ssm_intermediate_size,

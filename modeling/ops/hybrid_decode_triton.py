@@ -7,22 +7,23 @@ has the glossary (B, H, KVH, G, D, W, P, NB, MB, S, E, N) and the exact semantic
 
 Grid of `hybrid_decode` (1-D, sized from shapes and host ints only, so it is CUDA-graph safe):
 
-    pid in [0, B * KVH * SPLITS)             attention: request i, kv head h, split s (s fastest, then h, then i)
-    pid in [B * KVH * SPLITS, ... + B * EB)   SSM update: request i, channel block e (EB = cdiv(E, BLOCK_E))
+    pid in [0, B * KVH * S)             attention: request i, kv head h, split s (s fastest, then h, then i)
+    pid in [B * KVH * S, ... + B * EB)   SSM update: request i, channel block e (EB = cdiv(E, BLOCK_E))
 
 The attention programs come first: they are the long ones, and the short SSM programs then fill the SMs while the
 last attention programs drain. An attention program packs the G query heads of its kv head into one [BLOCK_G, D]
 tile (padded to 16 rows for tl.dot), so each key/value of the window is read once for all of them, and streams its
 share of the window in [BLOCK_N, D] tiles with an online softmax (base 2, fp32).
 
-Split-K: with SPLITS > 1 the window's tiles are shared out between SPLITS programs per (request, kv head), for
+Split-K: with S = num_splits > 1 the window's tiles are shared out between S programs per (request, kv head), for
 enough programs to keep HBM busy when B * KVH is small. Each writes its partial (running max, sum, unnormalised
 output) to a fp32 workspace and increments a per-(request, kv head) counter; the program that arrives last merges
-the SPLITS partials, writes the output and resets the counter to zero, all in the same launch. SPLITS is a runtime
+the S partials, writes the output and resets the counter to zero, all in the same launch. num_splits is a runtime
 argument, not a constant of the compilation: it follows the batch size, and a constant would compile a variant per
 value while serving (seen on the H200: seconds of compiles in the first mixed batches). The counter must be
 zero before the launch: the launcher zeroes a fresh one unless it is handed a persistent zeroed `counters` buffer
-(which the kernel leaves zeroed, so one buffer serves every layer and every CUDA-graph replay on one stream).
+(which the kernel leaves zeroed, so one buffer serves launch after launch on one stream: the next layer, the next
+CUDA-graph replay).
 """
 
 import functools
@@ -616,9 +617,12 @@ def hybrid_decode(
         part_ml = query.new_empty(num_pairs * splits * 2 * group, dtype=torch.float32)
         if counters is None:
             counters = torch.zeros(num_pairs, dtype=torch.int32, device=query.device)
-        assert counters.dtype == torch.int32 and counters.numel() >= num_pairs and counters.is_contiguous(), (
-            f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros"
-        )
+        assert (
+            counters.dtype == torch.int32
+            and counters.numel() >= num_pairs
+            and counters.is_contiguous()
+            and counters.device == query.device
+        ), f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros on {query.device}"
     else:  # never dereferenced: without split-K the programs write attn_out directly
         part_o = part_ml = counters = attn_out
     num_attn_programs = num_pairs * splits
