@@ -6,6 +6,7 @@ what this checks before any GPU run."""
 
 import contextlib
 import dataclasses
+import itertools
 import socket
 from types import SimpleNamespace
 
@@ -64,19 +65,24 @@ def host_syncs_raise():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def mixed_step(g):
-    """Two decodes (slots 3 and 1), a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill
-    of 11 tokens into slot 4, as vLLM's Triton attention and Mamba-1 metadata describe them (decodes first)."""
-    q_lens, seq_lens = [1, 1, 7, 11], [21, 5, 16, 11]
-    query_start_loc = torch.tensor([0, 1, 2, 9, 20], dtype=torch.int32)
-    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[:8].view(4, 2).to(torch.int32) + 1  # block 0: null
-    attn_metadata = SimpleNamespace(
+def attention_metadata(q_lens, seq_lens, g):
+    """vLLM's Triton attention metadata for a batch (decodes first): each request two distinct random KV blocks
+    (block 0 is the null block)."""
+    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[: 2 * len(q_lens)].view(-1, 2).to(torch.int32) + 1
+    return SimpleNamespace(
         block_table=block_table.to(DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        query_start_loc=query_start_loc.to(DEVICE),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE),
         max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
+
+
+def mixed_step(g):
+    """Two decodes (slots 3 and 1), a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill
+    of 11 tokens into slot 4, as vLLM's Triton attention and Mamba-1 metadata describe them (decodes first)."""
+    q_lens = [1, 1, 7, 11]
+    attn_metadata = attention_metadata(q_lens, [21, 5, 16, 11], g)
     ssm_metadata = SimpleNamespace(
         num_decodes=2,
         num_decode_tokens=2,
@@ -95,15 +101,7 @@ def uniform_decode_step(g):
     """Every request has one new token, so every row is a decode (what HybridSSMMetadataBuilder makes of such a
     batch): slots 3 and 1 continue, slot 6 holds a one-token prompt (has_initial_states_d False: its stale slot must
     not be read)."""
-    seq_lens = [21, 1, 5]
-    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[:6].view(3, 2).to(torch.int32) + 1
-    attn_metadata = SimpleNamespace(
-        block_table=block_table.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.arange(4, dtype=torch.int32, device=DEVICE),
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-    )
+    attn_metadata = attention_metadata([1, 1, 1], [21, 1, 5], g)
     ssm_metadata = SimpleNamespace(
         num_decodes=3,
         num_decode_tokens=3,
