@@ -16,8 +16,8 @@ own process, the baselines by vLLM's default attention backend.
 For each prompt length L (1k, 8k, 32k, 128k) and 256 output tokens:
   batch       the most sequences of L + output tokens (+ those decoded while the batch prefills) that vLLM admits
               at once (its own accounting, `get_max_concurrency_for_kv_cache_config`), capped by `--max-num-seqs`
-              and by `--prefill-budget / L` (the prompt tokens one point may prefill, so the whole run fits in a
-              device call);
+              and by `--prefill-budget / L` (the prompt tokens one point may prefill: the 20M default leaves
+              vLLM's capacity the cap at every length; a smaller one shortens a run);
   tok/s       output tokens per second while all `batch` sequences decode together: the requests are prefilled
               first (their decodes interleave), then `output_len` engine steps are timed, each giving every
               sequence one token;
