@@ -590,14 +590,16 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     points = [p for r in results for p in r["points"]]
+    runners = {model: runner for r in results for model, runner in r.get("model_runners", {}).items()}
     figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
     for model in MODELS:
         mine = sorted((p for p in points if p["model"] == model), key=lambda p: p["prompt_len"])
         if not mine:
             continue
         lengths = [p["prompt_len"] for p in mine]
-        throughput.plot(lengths, [p["decode_tok_s"] for p in mine], marker="o", label=LABELS[model])
-        memory.plot(lengths, [p["bytes_per_seq"] / 2**20 for p in mine], marker="o", label=LABELS[model])
+        label = LABELS[model] + (f" [{runners[model]} runner]" if model in runners else "")
+        throughput.plot(lengths, [p["decode_tok_s"] for p in mine], marker="o", label=label)
+        memory.plot(lengths, [p["bytes_per_seq"] / 2**20 for p in mine], marker="o", label=label)
     for axes, ylabel in ((throughput, "output tokens/s (largest batch)"), (memory, "KV + state MiB per sequence")):
         axes.set_xscale("log", base=2)
         axes.set_yscale("log")

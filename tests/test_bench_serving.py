@@ -13,7 +13,9 @@ pytest.importorskip("vllm")
 def test_bench_serving_smoke(tmp_path, capsys):
     out = tmp_path / "serving.json"
     args = ["--smoke", "--models", "hybrid,llama", "--prompt-lens", "24,160", "--prefix", "--work-dir", str(tmp_path)]
-    assert bench_serving.main([*args, "--json", str(out)]) == 0
+    plot = tmp_path / "serving.png"
+    assert bench_serving.main([*args, "--json", str(out), "--plot", str(plot)]) == 0
+    assert plot.read_bytes().startswith(b"\x89PNG"), "no plot written"
     result = json.loads(out.read_text())
     shape = bench_serving.SMOKE
     points = {(p["model"], p["prompt_len"]): p for p in result["points"]}
