@@ -139,10 +139,11 @@ def conv_state_cache(num_slots, channels, width, dtype, layout, gen):
 
 
 # Rows: seq 0 [0, 7), seq 1 [7, 9) of length 2 < K-1 straddles the first 8-row block, seq 2 (padding, length 1),
-# seq 3 long and fresh, seq 4 empty, seq 5 of length K-1, seq 6 fresh of length 2; rows 44.. are padding tokens.
-SEQ_LENS = [7, 2, 1, 29, 0, 3, 2]
-SLOTS = [7, 2, -1, 4, 9, 0, 5]  # permuted, non-contiguous; slots 1, 3, 6, 8 belong to no sequence
-HAS_INITIAL = [True, True, True, False, True, True, False]
+# seq 3 long and fresh, seq 4 empty, seq 5 of length K-1, seq 6 fresh of length 2, seqs 7 and 8 of one token
+# (continuing, fresh); rows 46.. are padding tokens.
+SEQ_LENS = [7, 2, 1, 29, 0, 3, 2, 1, 1]
+SLOTS = [7, 2, -1, 4, 9, 0, 5, 1, 3]  # permuted, non-contiguous; slots 6 and 8 belong to no sequence
+HAS_INITIAL = [True, True, True, False, True, True, False, True, False]
 PAD_TOKENS = 3
 
 VARLEN_CASES = [  # dtype, K, conv-state layout, (block_t, block_e) or None

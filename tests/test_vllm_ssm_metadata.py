@@ -68,12 +68,40 @@ def test_one_token_steps_are_all_decodes_first_tokens_flagged(builders):
     assert other.has_initial_states_d.data_ptr() == second.has_initial_states_d.data_ptr()
 
 
-def test_mixed_batches_keep_first_tokens_prefills(builders):
-    """With a longer prompt in the batch (never replayed from a full graph) a one-token prompt stays a prefill that
-    starts from zero (has_initial_states_p), and decode rows carry no flags."""
-    common = batch([21, 1, 30], [1, 1, 30], [False, True, True], [1, 2, 3])
-    metadata = builders[0].build(0, common)
-    assert (metadata.num_decodes, metadata.num_prefills) == (1, 2)
+# (seq_lens, query_lens, is_prefilling, state blocks) and what the builder makes of them: decode flags and slots,
+# prefill flags, slots and token offsets.
+MIXED_BATCHES = {
+    # Model Runner V2: one-token rows first in any order (a new one-token prompt between two decodes).
+    "V2 order": (
+        ([21, 1, 5, 30], [1, 1, 1, 30], [False, True, False, True], [1, 2, 3, 4]),
+        ([True, False, True], [1, 2, 3], [False], [4], [0, 30]),
+    ),
+    # The V1 runner: new prompts last (a 30-token one before a one-token one).
+    "V1 order": (
+        ([21, 5, 30, 1], [1, 1, 30, 1], [False, False, True, True], [1, 3, 4, 2]),
+        ([True, True], [1, 3], [False, False], [4, 2], [0, 30, 31]),
+    ),
+}
+
+
+@pytest.mark.parametrize("rows, expected", MIXED_BATCHES.values(), ids=MIXED_BATCHES.keys())
+def test_mixed_batches_split_at_the_first_longer_query(builders, rows, expected):
+    """A batch with a longer prompt (never replayed from a full graph): every one-token row before it is a decode,
+    a new one-token prompt among them flagged to start from zero; from the first longer query on, Mamba-1's prefill
+    rows (each starting from zero or continuing its slot: has_initial_states_p)."""
+    flags_d, slots_d, flags_p, slots_p, query_start_loc_p = expected
+    metadata = builders[0].build(0, batch(*rows))
+    assert (metadata.num_decodes, metadata.num_prefills) == (len(flags_d), len(flags_p))
+    assert metadata.has_initial_states_d.tolist() == flags_d
+    assert metadata.state_indices_tensor_d[:, 0].tolist() == slots_d
+    assert metadata.has_initial_states_p.tolist() == flags_p
+    assert metadata.state_indices_tensor_p.tolist() == slots_p
+    assert metadata.query_start_loc_p.tolist() == query_start_loc_p
+
+
+def test_a_batch_led_by_a_longer_query_has_no_decode_rows(builders):
+    """vLLM orders decodes first, so a longer query at the head means no decodes: all prefills, no flags."""
+    metadata = builders[0].build(0, batch([30, 1], [30, 1], [True, True], [4, 2]))
+    assert (metadata.num_decodes, metadata.num_prefills) == (0, 2)
     assert metadata.has_initial_states_d is None
     assert metadata.has_initial_states_p.tolist() == [False, False]
-    assert metadata.state_indices_tensor_p.tolist() == [2, 3]

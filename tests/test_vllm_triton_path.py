@@ -1,8 +1,8 @@
 """The CUDA serving path of the plugin (`TritonHybridImplMixin.hybrid_forward`: fused decode, paged prefill attention,
 varlen conv and scan) against the reference path (paged attention reference + `HybridSSMAdapter.forward` on the
-PyTorch references), on one mixed step: decodes, a chunked prefill continuing its slots and a fresh prefill. On CPU
-machines the kernels run in Triton's interpreter; the slicing of vLLM's metadata into decode and prefill parts is
-what this checks before any GPU run."""
+PyTorch references), on a mixed step (decodes with a new one-token prompt among them, a chunked prefill continuing
+its slots and a fresh prefill) and a uniform-decode step. On CPU machines the kernels run in Triton's interpreter;
+the slicing of vLLM's metadata into decode and prefill parts is what this checks before any GPU run."""
 
 import contextlib
 import dataclasses
@@ -79,22 +79,36 @@ def attention_metadata(q_lens, seq_lens, g):
 
 
 def mixed_step(g):
-    """Two decodes (slots 3 and 1), a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill
-    of 11 tokens into slot 4, as vLLM's Triton attention and Mamba-1 metadata describe them (decodes first)."""
-    q_lens = [1, 1, 7, 11]
-    attn_metadata = attention_metadata(q_lens, [21, 5, 16, 11], g)
+    """In Model Runner V2's order (one-token rows first): decodes of slots 3 and 1 with a new one-token prompt into
+    slot 5 between them, then a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill of 11
+    tokens into slot 4. The Triton path gets HybridSSMMetadataBuilder's split (every one-token row a decode, the
+    prompt flagged); the reference path Mamba-1's (the rows from the one-token prompt on are prefills), so the two
+    paths also check that the splits compute the same."""
+    q_lens = [1, 1, 1, 7, 11]
+    attn_metadata = attention_metadata(q_lens, [21, 1, 5, 16, 11], g)
     ssm_metadata = SimpleNamespace(
-        num_decodes=2,
-        num_decode_tokens=2,
+        num_decodes=3,
+        num_decode_tokens=3,
         num_prefills=2,
         num_prefill_tokens=18,
-        state_indices_tensor_d=torch.tensor([[3], [1]], dtype=torch.int32, device=DEVICE),
+        state_indices_tensor_d=torch.tensor([[3], [5], [1]], dtype=torch.int32, device=DEVICE),
+        has_initial_states_d=torch.tensor([True, False, True], device=DEVICE),
         state_indices_tensor_p=torch.tensor([6, 4], dtype=torch.int32, device=DEVICE),
         query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
         has_initial_states_p=torch.tensor([True, False], device=DEVICE),
-        has_initial_states_d=None,
     )
-    return attn_metadata, ssm_metadata, sum(q_lens)
+    mamba1_split = SimpleNamespace(
+        num_decodes=1,
+        num_decode_tokens=1,
+        num_prefills=4,
+        num_prefill_tokens=20,
+        state_indices_tensor_d=torch.tensor([[3]], dtype=torch.int32, device=DEVICE),
+        has_initial_states_d=None,
+        state_indices_tensor_p=torch.tensor([5, 1, 6, 4], dtype=torch.int32, device=DEVICE),
+        query_start_loc_p=torch.tensor([0, 1, 2, 9, 20], dtype=torch.int32, device=DEVICE),
+        has_initial_states_p=torch.tensor([False, True, True, False], device=DEVICE),
+    )
+    return attn_metadata, ssm_metadata, mamba1_split, sum(q_lens)
 
 
 def uniform_decode_step(g):
@@ -110,7 +124,7 @@ def uniform_decode_step(g):
         state_indices_tensor_d=torch.tensor([[3], [6], [1]], dtype=torch.int32, device=DEVICE),
         has_initial_states_d=torch.tensor([True, False, True], device=DEVICE),
     )
-    return attn_metadata, ssm_metadata, 3
+    return attn_metadata, ssm_metadata, ssm_metadata, 3
 
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
@@ -140,7 +154,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     monkeypatch.setattr(hybrid_decode_triton, "hybrid_decode", hybrid_decode)
 
     g = torch.Generator().manual_seed(1)
-    attn_metadata, ssm_metadata, num_tokens = step(g)
+    attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(g)
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
     xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
@@ -174,7 +188,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     )  # fmt: skip
     expected_ssm = torch.empty_like(ssm_output)
     with torch.no_grad():
-        ssm_adapter.forward(xz, expected_ssm, ssm_metadata)
+        ssm_adapter.forward(xz, expected_ssm, reference_metadata)
 
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)

