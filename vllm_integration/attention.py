@@ -18,6 +18,7 @@ import functools
 
 import torch
 from torch.library import Library
+from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
@@ -213,6 +214,9 @@ class HybridAttentionLayer(Attention):
         return output.view(num_tokens, -1), ssm_output
 
 
+# Like vLLM's own attention op: with breakable CUDA graphs (VLLM_USE_BREAKABLE_CUDAGRAPH=1) the op runs eagerly between
+# captured segments, since it reads each step's metadata on the host. It writes into the caller's buffers only.
+@eager_break_during_capture
 def hybrid_attention(
     query: torch.Tensor,
     key: torch.Tensor,
