@@ -11,6 +11,8 @@
 #                                          # tests on Model Runner V2 (the engines inherit the environment)
 #   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
+#   bash scripts/device_check.sh both K ARGS...    # on the two-GPU kind, in one call: `vllm K` on GPU 0 (no TP 2)
+#                                          # while `serving ARGS` runs on GPU 1
 #
 # The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
 # that downloads them) and installed to /tmp/site.
@@ -72,8 +74,21 @@ case "${1:-kernels}" in
     done
     exit "$status"
     ;;
+  both)
+    tests_k=$2
+    shift 2
+    CUDA_VISIBLE_DEVICES=0 bash "$0" vllm "$tests_k" > "$OUT/both-vllm.log" 2>&1 &
+    tests_pid=$!
+    CUDA_VISIBLE_DEVICES=1 bash "$0" serving "$@" > "$OUT/both-serving.log" 2>&1
+    serving_status=$?
+    wait "$tests_pid"
+    tests_status=$?
+    echo "=== vllm $tests_k (GPU 0)"; tail -n 25 "$OUT/both-vllm.log"
+    echo "=== serving $* (GPU 1)"; tail -n 30 "$OUT/both-serving.log"
+    exit $((tests_status || serving_status))
+    ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm|serving ARGS" >&2
+    echo "usage: $0 kernels|sweep|vllm [K]|serving ARGS|both K ARGS" >&2
     exit 2
     ;;
 esac

@@ -72,12 +72,12 @@ def test_one_token_steps_are_all_decodes_first_tokens_flagged(builders):
 # prefill flags, slots and token offsets.
 MIXED_BATCHES = {
     # Model Runner V2: one-token rows first in any order (a new one-token prompt between two decodes).
-    "V2 order": (
+    "v2-order": (
         ([21, 1, 5, 30], [1, 1, 1, 30], [False, True, False, True], [1, 2, 3, 4]),
         ([True, False, True], [1, 2, 3], [False], [4], [0, 30]),
     ),
     # The V1 runner: new prompts last (a 30-token one before a one-token one).
-    "V1 order": (
+    "v1-order": (
         ([21, 5, 30, 1], [1, 1, 30, 1], [False, False, True, True], [1, 3, 4, 2]),
         ([True, True], [1, 3], [False, False], [4, 2], [0, 30, 31]),
     ),
