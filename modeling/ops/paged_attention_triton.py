@@ -286,8 +286,11 @@ def _pick_blocks(
 
     Decode batches (max_query_len == 1) take one query per program with its GQA heads as the rows, BLOCK_N = 64,
     and split the keys when sequences x kv heads would leave the GPU half idle. Everything else takes 128-row
-    query blocks (fewer when the head dim is large or the longest query is short), flash-attention style; fp32
-    takes smaller tiles (its tf32x3 products need three times the registers).
+    query blocks (fewer when the head dim is large), flash-attention style; fp32 takes smaller tiles (its tf32x3
+    products need three times the registers). The prefill tiles do not depend on the query lengths: one compilation
+    serves every prefill batch, vLLM's warm-up batch of two-token prompts included (tiles sized to the longest query
+    compiled a variant per power of two while serving, each a multi-second stall; short queries now leave most of
+    a tile's rows masked, in batches that are short anyway).
     """
     block_d = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
@@ -306,8 +309,6 @@ def _pick_blocks(
         block_m = 256 if group_pad >= 4 else 128
         block_m, block_n, num_stages = (block_m, 64, 3) if block_d <= 128 else (64, 32, 3)
     block_q = max(1, block_m // group_pad)
-    if max_query_len is not None:
-        block_q = min(block_q, max(triton.next_power_of_2(max_query_len), triton.cdiv(16, group_pad)))
     num_warps = 8 if block_q * group_pad >= 128 or block_d >= 256 else 4
     return {"block_q": block_q, "block_n": block_n, "num_splits": 1, "num_warps": num_warps, "num_stages": num_stages}
 
