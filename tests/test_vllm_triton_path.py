@@ -127,6 +127,22 @@ def uniform_decode_step(g):
     return attn_metadata, ssm_metadata, ssm_metadata, 3
 
 
+def serving_inputs(ssm_adapter, num_tokens, g):
+    """A layer as `hybrid_forward` sees it (random paged KV cache, the adapter, persistent split-K counters), the
+    impl's scale, random queries and in_proj output, and random state caches (not yet bound to the adapter)."""
+    kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
+    split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
+    query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
+    xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
+    conv_shape, ssm_shape = ssm_adapter.get_state_shape()
+    states = (
+        torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
+        torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
+    )
+    return layer, SimpleNamespace(scale=D**-0.5), query, xz, states
+
+
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
 def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
     from modeling.ops import hybrid_decode_triton
@@ -155,17 +171,8 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
 
     g = torch.Generator().manual_seed(1)
     attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(g)
-    kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
-    query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
-    xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
-    conv_shape, ssm_shape = ssm_adapter.get_state_shape()
-    states = (
-        torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
-        torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
-    )
-    split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
-    impl = SimpleNamespace(scale=D**-0.5)
+    layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
+    kv_cache, split_counters = layer.kv_cache, layer.split_counters
 
     # The Triton path, outputs poisoned.
     ssm_adapter.kv_cache = tuple(s.clone() for s in states)
@@ -199,3 +206,67 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
         used += ssm_metadata.state_indices_tensor_p.tolist()
     for slot in used:
         assert not torch.equal(triton_states[1][slot], states[1][slot]), f"slot {slot} was not updated"
+
+
+def decodes_then_prefills(num_decodes, g):
+    """`num_decodes` decodes, then a chunked prefill (9 tokens cached, 7 new) and a fresh one (11 tokens), with the
+    state slots split out of one tensor as vLLM's Mamba builder splits them: the prefills' slots start
+    `num_decodes` entries in, as the prefills' block table and lengths do in `hybrid_forward`."""
+    q_lens = [1] * num_decodes + [7, 11]
+    attn_metadata = attention_metadata(q_lens, [21 - 4 * i for i in range(num_decodes)] + [16, 11], g)
+    slots = torch.randperm(NUM_SLOTS, generator=g)[: num_decodes + 2].to(device=DEVICE, dtype=torch.int32)
+    decode_slots, prefill_slots = slots.split([num_decodes, 2])
+    ssm_metadata = SimpleNamespace(
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        num_prefills=2,
+        num_prefill_tokens=18,
+        state_indices_tensor_d=decode_slots[:, None],
+        has_initial_states_d=torch.ones(num_decodes, dtype=torch.bool, device=DEVICE),
+        state_indices_tensor_p=prefill_slots,
+        query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
+        has_initial_states_p=torch.tensor([True, False], device=DEVICE),
+    )
+    return attn_metadata, ssm_metadata, sum(q_lens)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter):
+    """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
+    mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
+    and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
+    from modeling.ops import causal_conv1d_triton, hybrid_decode_triton, paged_attention_triton, selective_scan_triton
+    from vllm_integration.attention import TritonHybridImplMixin
+
+    prefill_kernels = [
+        paged_attention_triton._paged_window_attention_kernel,
+        causal_conv1d_triton._causal_conv1d_fwd_kernel,
+        causal_conv1d_triton._varlen_conv_state_kernel,
+        selective_scan_triton._selective_scan_fwd_kernel,
+    ]
+    decode_kernels = [causal_conv1d_triton._causal_conv1d_update_kernel, hybrid_decode_triton._hybrid_decode_kernel]
+
+    def compilations(kernels):  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
+        return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
+
+    g = torch.Generator().manual_seed(4)
+
+    def serve(num_decodes):
+        attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(num_decodes, g)
+        layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
+        ssm_adapter.kv_cache = states
+        output = torch.empty(num_tokens, H, D, device=DEVICE)
+        ssm_output = torch.empty(num_tokens, E, device=DEVICE)
+        with torch.no_grad():
+            TritonHybridImplMixin.hybrid_forward(
+                impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
+            )
+
+    serve(0)
+    prefill_compiled = compilations(prefill_kernels)
+    serve(1)
+    decode_compiled = compilations(decode_kernels)
+    for num_decodes in (2, 3, 1):
+        serve(num_decodes)
+    assert compilations(prefill_kernels) == prefill_compiled
+    assert compilations(decode_kernels) == decode_compiled

@@ -127,7 +127,9 @@ def _find_sequence(p_cu_seqlens, o_t, num_seqs, search_steps):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["T", "num_seqs", "search_steps"])  # one compilation for every batch shape
+# One compilation for every batch shape; the prefills' slots come as a slice past the decodes' (vLLM's Mamba metadata),
+# at an alignment that changes with the number of decodes: not specialized on.
+@triton.jit(do_not_specialize=["T", "num_seqs", "search_steps"], do_not_specialize_on_alignment=["p_state_indices"])
 def _causal_conv1d_fwd_kernel(
     p_x,
     p_w,
@@ -469,7 +471,7 @@ def causal_conv1d_fn(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["p_state_indices"])  # as _causal_conv1d_fwd_kernel's
 def _varlen_conv_state_kernel(
     p_x,
     p_state,

@@ -90,7 +90,11 @@ def _attend_key_tile(
     return b_acc, b_m_new, b_l
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "window"])  # one compilation for every batch shape
+# One compilation for every batch shape. Serving passes the prefill rows' block table and lengths as slices past the
+# decode rows, so their alignment changes with the number of decodes: not specialized on.
+@triton.jit(
+    do_not_specialize=["num_seqs", "num_tokens", "window"], do_not_specialize_on_alignment=["p_bt", "p_seq_lens"]
+)
 def _paged_window_attention_kernel(
     p_q,
     p_k,

@@ -74,7 +74,9 @@ def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
     return slot
 
 
-@triton.jit(do_not_specialize=["T", "num_chunks"])  # batch shapes share a compilation per launch configuration
+# Batch shapes share a compilation per launch configuration. Serving passes the prefills' slots as a slice past the
+# decodes' (vLLM's Mamba metadata), at an alignment that changes with the number of decodes: not specialized on.
+@triton.jit(do_not_specialize=["T", "num_chunks"], do_not_specialize_on_alignment=["p_state_indices"])
 def _selective_scan_fwd_kernel(
     p_u,
     p_dt,
@@ -216,7 +218,7 @@ def _selective_scan_fwd_kernel(
         tl.store(p_hT_blk, b_h.to(p_hT.dtype.element_ty), mask=m_en & is_real)
 
 
-@triton.jit(do_not_specialize=["T", "num_chunks"])
+@triton.jit(do_not_specialize=["T", "num_chunks"], do_not_specialize_on_alignment=["p_state_indices"])
 def _selective_scan_chunk_combine_kernel(
     p_A,
     p_chunk_h,
