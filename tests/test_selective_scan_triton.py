@@ -210,3 +210,40 @@ def test_varlen_rejects_bad_shapes(scan):
         scan.selective_scan_varlen_fwd(**{**args, "ssm_state": torch.zeros(2, channels, state + 1)})
     with pytest.raises(ValueError, match="out"):
         scan.selective_scan_varlen_fwd(**{**args, "out": torch.empty(5, channels)})
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
+def test_varlen_compiles_once_for_every_chunk_length(scan):
+    """Serving picks the chunk length from each batch's shape: one compilation of the chunked forward serves every
+    length (a variant per length would stall serving for seconds), and every length computes the reference's y and
+    final states."""
+    channels, state, lengths = 24, 8, [40, 9, 27]
+    g = torch.Generator().manual_seed(8)
+    total = sum(lengths)
+    u, dt, z = (torch.randn(total, channels, generator=g).to(DEVICE) for _ in range(3))
+    B, C = (torch.randn(total, state, generator=g).to(DEVICE) for _ in range(2))
+    A = -torch.exp(torch.randn(channels, state, generator=g) * 0.5).to(DEVICE)
+    D, dt_bias = (torch.randn(channels, generator=g).to(DEVICE) for _ in range(2))
+    cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    state_indices = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, True], device=DEVICE)
+    cache = torch.randn(3, channels, state, generator=g).to(DEVICE)
+    args = (u, dt, A, B, C, D, z, dt_bias, cu_seqlens)
+    cache_ref, out_ref = cache.clone(), torch.empty_like(u)
+    selective_scan_varlen_ref(*args, cache_ref, state_indices, has_initial_state, out_ref)
+    kernels = (scan._selective_scan_fwd_kernel, scan._selective_scan_chunk_combine_kernel)
+
+    def compilations():  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
+        return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
+
+    def run(chunk):
+        out, slots = torch.full_like(u, float("nan")), cache.clone()
+        scan.selective_scan_varlen_fwd(*args, slots, state_indices, has_initial_state, out, chunk=chunk)
+        torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(slots, cache_ref, atol=1e-4, rtol=1e-4)
+
+    run(4)
+    compiled = compilations()
+    for chunk in (8, 16, 32, 4):
+        run(chunk)
+    assert compilations() == compiled

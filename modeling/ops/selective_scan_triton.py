@@ -6,7 +6,8 @@ Recurrence per channel e, state index n, step t (all in fp32):
     h_t = a_t * h_{t-1} + b_t,   a_t = exp(dt_t * A),   b_t = dt_t * u_t * B_t
     y_t = (sum_n h_t * C_t + D * u_t) * silu(z_t)
 
-Parallel over (sequence, block of BLOCK_E channels, chunk of CHUNK steps). A is constant over time, so a chunk's
+Parallel over (sequence, block of BLOCK_E channels, chunk of `chunk` steps: in the forward a run-time length, so
+that a serving batch's shape picks no compiled variant). A is constant over time, so a chunk's
 total decay is exactly exp(A * sum(dt over the chunk)), and the forward runs in three launches:
     stage 0  each chunk's end state from a zero start, and its sum of dt               (all chunks in parallel)
     combine  walk the chunks of a sequence in order: true start state of every chunk   (sequential over chunks only)
@@ -74,9 +75,10 @@ def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
     return slot
 
 
-# Batch shapes share a compilation per launch configuration. Serving passes the prefills' slots as a slice past the
-# decodes' (vLLM's Mamba metadata), at an alignment that changes with the number of decodes: not specialized on.
-@triton.jit(do_not_specialize=["T", "num_chunks"], do_not_specialize_on_alignment=["p_state_indices"])
+# Batch shapes and chunk lengths share a compilation per launch configuration. Serving passes the prefills' slots as a
+# slice past the decodes' (vLLM's Mamba metadata), at an alignment that changes with the number of decodes: not
+# specialized on.
+@triton.jit(do_not_specialize=["T", "num_chunks", "chunk"], do_not_specialize_on_alignment=["p_state_indices"])
 def _selective_scan_fwd_kernel(
     p_u,
     p_dt,
@@ -99,6 +101,7 @@ def _selective_scan_fwd_kernel(
     E,
     N,
     num_chunks,
+    chunk,
     s_u_b,
     s_u_t,
     s_dt_b,
@@ -124,7 +127,6 @@ def _selective_scan_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
     SAVE_SEG_H: tl.constexpr,
-    CHUNK: tl.constexpr,
     SEG: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -137,10 +139,10 @@ def _selective_scan_fwd_kernel(
     step, into `p_seg_h` [S, cdiv(T, SEG), E, N] fp32, the backward's recompute checkpoints."""
     i_s, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
-    t_start = i_c * CHUNK
+    t_start = i_c * chunk
     if t_start >= seq_len:
         return
-    t_end = tl.minimum(t_start + CHUNK, seq_len)
+    t_end = tl.minimum(t_start + chunk, seq_len)
     slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
     is_real = slot >= 0  # padding sequences (slot -1) get zeros and touch no state
 
@@ -218,7 +220,7 @@ def _selective_scan_fwd_kernel(
         tl.store(p_hT_blk, b_h.to(p_hT.dtype.element_ty), mask=m_en & is_real)
 
 
-@triton.jit(do_not_specialize=["T", "num_chunks"], do_not_specialize_on_alignment=["p_state_indices"])
+@triton.jit(do_not_specialize=["T", "num_chunks", "chunk"], do_not_specialize_on_alignment=["p_state_indices"])
 def _selective_scan_chunk_combine_kernel(
     p_A,
     p_chunk_h,
@@ -232,6 +234,7 @@ def _selective_scan_chunk_combine_kernel(
     E,
     N,
     num_chunks,
+    chunk,
     s_first_s,
     s_first_e,
     s_first_n,
@@ -243,7 +246,6 @@ def _selective_scan_chunk_combine_kernel(
     STORE_LAST: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr,
-    CHUNK: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -255,7 +257,7 @@ def _selective_scan_chunk_combine_kernel(
     because a chunk's decay is the same both ways."""
     i_s, i_e = tl.program_id(0), tl.program_id(1)
     _, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
-    chunks_in_seq = tl.cdiv(seq_len, CHUNK)
+    chunks_in_seq = tl.cdiv(seq_len, chunk)
     slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
     is_real = slot >= 0
 
@@ -680,7 +682,6 @@ def _scan_forward(
     meta = {
         "USE_STATE_INDICES": state_indices is not None,
         "IS_VARLEN": cu_seqlens is not None,
-        "CHUNK": blocks.chunk,
         "BLOCK_E": blocks.block_e,
         "BLOCK_N": triton.next_power_of_2(state_size),
         "num_warps": blocks.num_warps,
@@ -712,6 +713,7 @@ def _scan_forward(
             E=num_channels,
             N=state_size,
             num_chunks=num_chunks,
+            chunk=blocks.chunk,
             s_u_b=_batch_strides(u)[0],
             s_u_t=_batch_strides(u)[1],
             s_dt_b=_batch_strides(dt)[0],
@@ -754,6 +756,7 @@ def _scan_forward(
             E=num_channels,
             N=state_size,
             num_chunks=num_chunks,
+            chunk=blocks.chunk,
             s_first_s=h0.stride(0),
             s_first_e=h0.stride(1),
             s_first_n=h0.stride(2),
@@ -798,12 +801,7 @@ def _scan_backward(
     scratch_per_program = states_per_program * blocks.bwd_block_e * block_n
     scratch = u.new_empty(grid[0] * grid[1] * grid[2] * scratch_per_program, dtype=torch.float32)
     dummy = du
-    meta = {
-        "CHUNK": blocks.chunk,
-        "BLOCK_E": blocks.bwd_block_e,
-        "BLOCK_N": block_n,
-        "num_warps": blocks.bwd_num_warps,
-    }
+    meta = {"BLOCK_E": blocks.bwd_block_e, "BLOCK_N": block_n, "num_warps": blocks.bwd_num_warps}
 
     def launch_stage(stage: int) -> None:
         _selective_scan_bwd_kernel[grid](
@@ -850,6 +848,7 @@ def _scan_backward(
             HAS_H0=initial_state is not None,
             HAS_DHT=d_final_state is not None,
             SEG_H_SAVED=seg_states is not None,
+            CHUNK=blocks.chunk,
             SEG=blocks.seg,
             UNROLL=blocks.unroll,
             **meta,
@@ -872,6 +871,7 @@ def _scan_backward(
             num_channels,
             state_size,
             num_chunks,
+            blocks.chunk,
             *state_strides,
             *state_strides,
             REVERSE=True,
