@@ -56,8 +56,10 @@ LABELS = {
     "swa": "sliding window only (Mistral-style)",
     "llama": "full attention (Llama)",
 }
-# The environment a model's worker runs in, on top of this one's.
-WORKER_ENV = {"hybrid-v2": {"VLLM_USE_V2_MODEL_RUNNER": "1"}}
+# Each model runs on the model runner vLLM picks for it, whatever this process's environment says, except where its
+# worker's environment (on top of this one's) asks otherwise.
+RUNNER_SWITCH = "VLLM_USE_V2_MODEL_RUNNER"
+WORKER_ENV = {"hybrid-v2": {RUNNER_SWITCH: "1"}}
 FULL = {
     "vocab_size": 32000,
     "hidden_size": 2048,
@@ -243,7 +245,7 @@ class Engine:
         engine step until `count` run (mixed batches of 0 to count - 1 decodes beside one prefill, which take the
         fused decode with and without split-K), then leave. A server that has run before finds its Triton kernels
         in Triton's disk cache; a fresh machine compiles them while serving its first requests, which is not what
-        the timed points measure. (Prefill tile variants for short last chunks may still compile later.)"""
+        the timed points measure."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=count + 8, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -468,7 +470,8 @@ def engine_args(spec: dict, max_model_len: int, on_gpu: bool, prefix_caching: bo
 def run_worker(spec: dict, log_path: Path) -> dict:
     spec_path = log_path.with_suffix(".spec.json")
     spec_path.write_text(json.dumps(spec))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | WORKER_ENV.get(spec["model"], {})
+    inherited = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", RUNNER_SWITCH)}
+    env = inherited | WORKER_ENV.get(spec["model"], {})
     with open(log_path, "w") as log:
         done = subprocess.run(
             [sys.executable, __file__, "--worker", str(spec_path)], stdout=log, stderr=log, env=env, check=False
@@ -573,7 +576,9 @@ def table(results: list[dict]) -> str:
             ratios.append("vLLM's model runner: " + ", ".join(f"{m} {runner}" for m, runner in runners.items()))
         for model, tables in r.get("profiles", {}).items():
             ratios += [f"\n## profile: {model}, {what}\n{table}" for what, table in tables.items()]
-    for model, p in (item for r in results for item in r.get("prefix_caching", {}).items()):
+    # Runs before 988a194 kept the hybrid's prefix workload under "prefix".
+    prefix_runs = [r.get("prefix_caching") or ({"hybrid": r["prefix"]} if "prefix" in r else {}) for r in results]
+    for model, p in (item for runs in prefix_runs for item in runs.items()):
         ratios.append(
             f"prefix caching ({model}): {p['requests']} requests of {p['prefix_len']:,} shared + {p['suffix_len']} own"
             f" tokens, {p['output_len']} out: hit rate {p['hit_rate']:.0%}, {p['speedup']:.2f}x faster than"

@@ -75,9 +75,14 @@ case "${1:-kernels}" in
     exit "$status"
     ;;
   both)
-    tests_k=$2
+    tests_k=${2?usage: $0 both K ARGS...}
     shift 2
-    CUDA_VISIBLE_DEVICES=0 bash "$0" vllm "$tests_k" > "$OUT/both-vllm.log" 2>&1 &
+    if (( $(nvidia-smi -L | wc -l) < 2 )); then
+      echo "both needs two GPUs (the nvidia-h200-x2 kind)" >&2
+      exit 2
+    fi
+    # Inside the device call's 10 minutes, so that this summary and the exit status come back.
+    CUDA_VISIBLE_DEVICES=0 timeout 560 bash "$0" vllm "$tests_k" > "$OUT/both-vllm.log" 2>&1 &
     tests_pid=$!
     CUDA_VISIBLE_DEVICES=1 bash "$0" serving "$@" > "$OUT/both-serving.log" 2>&1
     serving_status=$?

@@ -217,7 +217,7 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
     """Serving picks the chunk length from each batch's shape: one compilation of the chunked forward serves every
     length (a variant per length would stall serving for seconds), and every length computes the reference's y and
     final states."""
-    channels, state, lengths = 24, 8, [40, 9, 27]
+    channels, state, lengths = 24, 8, [150, 9, 70]
     g = torch.Generator().manual_seed(8)
     total = sum(lengths)
     u, dt, z = (torch.randn(total, channels, generator=g).to(DEVICE) for _ in range(3))
@@ -232,6 +232,8 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
     cache_ref, out_ref = cache.clone(), torch.empty_like(u)
     selective_scan_varlen_ref(*args, cache_ref, state_indices, has_initial_state, out_ref)
     kernels = (scan._selective_scan_fwd_kernel, scan._selective_scan_chunk_combine_kernel)
+    for kernel in kernels:  # variants earlier tests compiled would hide a first compilation here
+        kernel.device_caches.clear()
 
     def compilations():  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
         return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
@@ -242,8 +244,9 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
         torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(slots, cache_ref, atol=1e-4, rtol=1e-4)
 
-    run(4)
+    run(16)  # chunks of 16 steps and more (the default is 64 and up): a chunked launch at every length below
     compiled = compilations()
-    for chunk in (8, 16, 32, 4):
+    assert all(compiled), compiled
+    for chunk in (32, 64, 128, 16):
         run(chunk)
     assert compilations() == compiled

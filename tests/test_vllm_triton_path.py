@@ -249,6 +249,9 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     def compilations(kernels):  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
         return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
 
+    for kernel in prefill_kernels + decode_kernels:  # the variants earlier tests compiled would hide new ones
+        kernel.device_caches.clear()
+
     g = torch.Generator().manual_seed(4)
 
     def serve(num_decodes):
@@ -266,6 +269,7 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     prefill_compiled = compilations(prefill_kernels)
     serve(1)
     decode_compiled = compilations(decode_kernels)
+    assert all(prefill_compiled) and all(decode_compiled), (prefill_compiled, decode_compiled)
     for num_decodes in (2, 3, 1):
         serve(num_decodes)
     assert compilations(prefill_kernels) == prefill_compiled

@@ -120,7 +120,8 @@ def leading_one_token_rows(common_attn_metadata: CommonAttentionMetadata) -> int
     if common_attn_metadata.max_query_len <= 1:
         return common_attn_metadata.num_reqs
     query_lens = torch.diff(common_attn_metadata.query_start_loc_cpu[: common_attn_metadata.num_reqs + 1])
-    return int(torch.argmax((query_lens > 1).int()))  # the first longer query
+    longer = (query_lens > 1).nonzero()
+    return int(longer[0]) if len(longer) else common_attn_metadata.num_reqs
 
 
 class HybridSSMBackend(Mamba1AttentionBackend):
