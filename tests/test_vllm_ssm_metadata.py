@@ -11,7 +11,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_integration.ssm import HybridSSMMetadataBuilder
+from vllm_integration.ssm import HybridSSMMetadataBuilder, leading_one_token_rows
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,11 @@ def test_a_batch_led_by_a_longer_query_has_no_decode_rows(builders):
     assert (metadata.num_decodes, metadata.num_prefills) == (0, 2)
     assert metadata.has_initial_states_d is None
     assert metadata.has_initial_states_p.tolist() == [False, False]
+
+
+def test_leading_one_token_rows_without_a_longer_query():
+    """A batch whose recorded longest query exceeds its rows' (vLLM computes it exactly today): every row still
+    counts as a one-token row, so the batch stays all decodes rather than falling back to Mamba-1's split."""
+    common = batch([21, 1, 5], [1, 1, 1], [False, True, False], [1, 2, 3])
+    assert leading_one_token_rows(common.replace(max_query_len=2)) == 3
+    assert leading_one_token_rows(batch([21, 30], [1, 30], [False, True], [1, 2])) == 1
