@@ -25,7 +25,8 @@ if ! python3 -c "import pytest" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv
 git log -1 --format='commit %H %s' 2>/dev/null || true
-echo "VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER-unset}"
+runner="VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER-unset}"
+echo "$runner"
 
 case "${1:-kernels}" in
   kernels)
@@ -44,6 +45,7 @@ case "${1:-kernels}" in
     # One pytest per test, each under its own time limit, so that a slow or failing test neither hides the others'
     # results nor loses its own report when the call's limit comes.
     status=0
+    echo "$runner" >> "$OUT/pytest_vllm.log"  # a saved log says which model runner its engines ran on
     tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm_ssm_metadata.py \
             tests/test_vllm.py ${2:+-k "$2"} | grep '::')
     if [[ -z $tests ]]; then

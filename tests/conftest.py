@@ -18,6 +18,12 @@ from configuration import HybridConfig
 from modeling import HybridForCausalLM
 
 
+def compiled_variants(*kernels) -> list[int]:
+    """How many variants of each Triton kernel are compiled for the GPU (Triton 3.6 keeps them per device, in
+    `device_caches[device][0]`): what a test of "one compilation serves every batch shape" counts."""
+    return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def interpreter_bf16_dot():
     """Triton 3.6's interpreter keeps bf16 as raw uint16 bits and multiplies those bits in `tl.dot`; widen them to fp32

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import compiled_variants
 
 from modeling.ops.hybrid_decode import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
 from modeling.ops.selective_scan import selective_scan_ref
@@ -342,15 +343,12 @@ def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(ke
         )
         torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
 
-    def compilations():  # Triton 3.6's per-device cache of compiled variants (device_caches[device][0])
-        return sum(len(caches[0]) for caches in kernels._hybrid_decode_kernel.device_caches.values())
-
     launch(1, 2)
     launch(1, 1)
-    compiled = compilations()
+    compiled = compiled_variants(kernels._hybrid_decode_kernel)
     for batch, splits in [(3, 3), (6, 2), (2, 5), (5, 1), (7, 4), (16, 1)]:
         launch(batch, splits)
-    assert compilations() == compiled
+    assert compiled_variants(kernels._hybrid_decode_kernel) == compiled
 
 
 def test_hybrid_decode_split_counters_reset(kernels):

@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+from conftest import compiled_variants
 
 from modeling.ops.paged_attention import paged_window_attention_ref
 
@@ -173,22 +174,17 @@ def test_bad_inputs_are_named(attention):
 def test_prefill_compiles_once_for_every_query_length(attention):
     """Serving hands the prefill path batches whose longest query is anything from 2 tokens (vLLM's warm-up batch)
     to a whole chunk: one compilation serves them all (a variant per length would stall serving for seconds)."""
-    from modeling.ops import paged_attention_triton
+    from modeling.ops.paged_attention_triton import _paged_window_attention_kernel as kernel
 
-    def compilations():  # Triton 3.6's per-device cache of compiled variants (device_caches[device][0])
-        return sum(
-            len(caches[0]) for caches in paged_attention_triton._paged_window_attention_kernel.device_caches.values()
-        )
-
-    paged_attention_triton._paged_window_attention_kernel.device_caches.clear()  # earlier tests' variants
+    kernel.device_caches.clear()  # earlier tests' variants
 
     def run(seqs):  # block-table widths 4, 5 and 20 (a specialized stride): never 1 or a multiple of 16
         batch = make_batch(seqs, 4, 1, 32, 16, 16, torch.bfloat16)
         check(attention, batch, 16, max_query_len=max(q for _, q in seqs), max_seq_len=max(s for s, _ in seqs))
 
     run([(40, 2), (9, 2)])
-    compiled = compilations()
-    assert compiled >= 1
+    compiled = compiled_variants(kernel)
+    assert all(compiled), compiled
     for seqs in ([(37, 37), (45, 9)], [(23, 5), (50, 17)], [(300, 130), (40, 1)], [(33, 3), (41, 40)]):
         run(seqs)
-    assert compilations() == compiled
+    assert compiled_variants(kernel) == compiled

@@ -6,6 +6,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import compiled_variants
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_scan_varlen_ref
 
@@ -235,9 +236,6 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
     for kernel in kernels:  # variants earlier tests compiled would hide a first compilation here
         kernel.device_caches.clear()
 
-    def compilations():  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
-        return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
-
     def run(chunk):
         out, slots = torch.full_like(u, float("nan")), cache.clone()
         scan.selective_scan_varlen_fwd(*args, slots, state_indices, has_initial_state, out, chunk=chunk)
@@ -245,8 +243,8 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
         torch.testing.assert_close(slots, cache_ref, atol=1e-4, rtol=1e-4)
 
     run(16)  # chunks of 16 steps and more (the default is 64 and up): a chunked launch at every length below
-    compiled = compilations()
+    compiled = compiled_variants(*kernels)
     assert all(compiled), compiled
     for chunk in (32, 64, 128, 16):
         run(chunk)
-    assert compilations() == compiled
+    assert compiled_variants(*kernels) == compiled

@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
+from conftest import compiled_variants  # noqa: E402
+
 from modeling.ops import paged_window_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,9 +248,6 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     ]
     decode_kernels = [causal_conv1d_triton._causal_conv1d_update_kernel, hybrid_decode_triton._hybrid_decode_kernel]
 
-    def compilations(kernels):  # Triton 3.6's per-device caches of compiled variants (device_caches[device][0])
-        return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
-
     for kernel in prefill_kernels + decode_kernels:  # the variants earlier tests compiled would hide new ones
         kernel.device_caches.clear()
 
@@ -266,11 +265,11 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
             )
 
     serve(0)
-    prefill_compiled = compilations(prefill_kernels)
+    prefill_compiled = compiled_variants(*prefill_kernels)
     serve(1)
-    decode_compiled = compilations(decode_kernels)
+    decode_compiled = compiled_variants(*decode_kernels)
     assert all(prefill_compiled) and all(decode_compiled), (prefill_compiled, decode_compiled)
     for num_decodes in (2, 3, 1):
         serve(num_decodes)
-    assert compilations(prefill_kernels) == prefill_compiled
-    assert compilations(decode_kernels) == decode_compiled
+    assert compiled_variants(*prefill_kernels) == prefill_compiled
+    assert compiled_variants(*decode_kernels) == decode_compiled
