@@ -137,13 +137,14 @@ def assert_follows_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3, min_
 
 def test_prefix_caching_hits_and_matches_transformers(checkpoints):
     """Prompts sharing a 96-token prefix (six blocks, six windows) with prefix caching on (vLLM's Mamba "align"
-    mode: SSM states cached at block boundaries): requests run after the batch hit the cache, and every request,
-    cached or not, still follows Transformers."""
+    mode: SSM states cached at block boundaries): each request run alone after the batch hits the cache, and every
+    request, cached or not, still follows Transformers."""
     model, vllm_dir = checkpoints
     prefix = random_prompts([96], model.config.vocab_size, seed=5)[0]
     prompts = [prefix + suffix for suffix in random_prompts([7, 20, 33, 1, 16], model.config.vocab_size, seed=6)]
     result = run_vllm(vllm_dir, prompts, alone=True, enable_prefix_caching=True)
-    assert result["prefix_cache_hits"] >= 4 * 80, result  # each later request reuses at least 5 of the 6 blocks
+    cached = [output["cached_tokens"] for output in result["alone_outputs"]]
+    assert min(cached) >= 80, f"prompt tokens served from the cache, per request run after the batch: {cached}"
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
 
