@@ -52,7 +52,7 @@ MODELS = ("hybrid", "hybrid-v2", "swa", "llama")
 HYBRIDS = ("hybrid", "hybrid-v2")
 LABELS = {
     "hybrid": "hybrid (window + SSM)",
-    "hybrid-v2": "hybrid, vLLM's Model Runner V2",
+    "hybrid-v2": "hybrid (window + SSM)",  # the plot adds each run's model runner
     "swa": "sliding window only (Mistral-style)",
     "llama": "full attention (Llama)",
 }
