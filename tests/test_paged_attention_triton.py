@@ -160,13 +160,13 @@ def test_bad_inputs_are_named(attention):
     query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(
         [(5, 5)], 4, 2, 16, 16, 4, torch.float32
     )
-    with pytest.raises(AssertionError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype"):
         attention(query, key_cache.half(), value_cache.half(), block_table, query_start_loc, seq_lens, 0.25, 4)
-    with pytest.raises(AssertionError, match="kv heads"):
+    with pytest.raises(ValueError, match="kv heads"):
         attention(query[:, :3], key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 4)
-    with pytest.raises(AssertionError, match="query_start_loc"):
+    with pytest.raises(ValueError, match="query_start_loc"):
         attention(query, key_cache, value_cache, block_table, query_start_loc[:1], seq_lens, 0.25, 4)
-    with pytest.raises(AssertionError, match="window"):
+    with pytest.raises(ValueError, match="window"):
         attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 0)
 
 

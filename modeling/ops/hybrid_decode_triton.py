@@ -458,29 +458,38 @@ def _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out
     num_decodes, num_channels = u.shape
     state_size = A.shape[-1]
     for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out)):
-        assert x.shape == (num_decodes, num_channels), f"{name}: expected {(num_decodes, num_channels)}, got {x.shape}"
+        if x.shape != (num_decodes, num_channels):
+            raise ValueError(f"{name}: expected {(num_decodes, num_channels)}, got {x.shape}")
     for name, x in (("B", B), ("C", C)):
-        assert x.shape == (num_decodes, state_size), f"{name}: expected {(num_decodes, state_size)}, got {x.shape}"
+        if x.shape != (num_decodes, state_size):
+            raise ValueError(f"{name}: expected {(num_decodes, state_size)}, got {x.shape}")
     for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out), ("B", B), ("C", C)):
-        assert x.stride(-1) == 1, f"{name}: the last dimension must be contiguous (row-strided views are fine)"
-    assert A.shape == (num_channels, state_size) and A.dtype == torch.float32 and A.is_contiguous(), (
-        f"A: expected contiguous fp32 {(num_channels, state_size)}, got {A.dtype} {A.shape}"
-    )
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: the last dimension must be contiguous (row-strided views are fine)")
+    if not (A.shape == (num_channels, state_size) and A.dtype == torch.float32 and A.is_contiguous()):
+        raise ValueError(f"A: expected contiguous fp32 {(num_channels, state_size)}, got {A.dtype} {A.shape}")
     for name, x in (("D", D), ("dt_bias", dt_bias)):
-        assert x.shape == (num_channels,) and x.is_contiguous(), f"{name}: expected contiguous ({num_channels},)"
-    assert ssm_state.dim() == 3 and ssm_state.shape[1:] == (num_channels, state_size), (
-        f"ssm_state: expected [slots, {num_channels}, {state_size}], got {ssm_state.shape}"
-    )
-    assert ssm_state.dtype in (torch.float32, torch.bfloat16, torch.float16), f"ssm_state: dtype {ssm_state.dtype}"
-    assert state_indices.shape == (num_decodes,) and state_indices.dtype == torch.int32, (
-        f"state_indices: expected int32 ({num_decodes},), got {state_indices.dtype} {state_indices.shape}"
-    )
-    assert state_indices.is_contiguous(), "state_indices: must be contiguous"
-    assert has_initial_state is None or (
-        has_initial_state.shape == (num_decodes,)
-        and has_initial_state.dtype == torch.bool
-        and has_initial_state.is_contiguous()
-    ), f"has_initial_state: expected a contiguous bool ({num_decodes},) or None"
+        if not (x.shape == (num_channels,) and x.is_contiguous()):
+            raise ValueError(f"{name}: expected contiguous ({num_channels},)")
+    if not (ssm_state.dim() == 3 and ssm_state.shape[1:] == (num_channels, state_size)):
+        raise ValueError(f"ssm_state: expected [slots, {num_channels}, {state_size}], got {ssm_state.shape}")
+    if ssm_state.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"ssm_state: expected fp32, bf16 or fp16, got {ssm_state.dtype}")
+    if not (state_indices.shape == (num_decodes,) and state_indices.dtype == torch.int32):
+        raise ValueError(
+            f"state_indices: expected int32 ({num_decodes},), got {state_indices.dtype} {state_indices.shape}"
+        )
+    if not state_indices.is_contiguous():
+        raise ValueError("state_indices: must be contiguous")
+    if not (
+        has_initial_state is None
+        or (
+            has_initial_state.shape == (num_decodes,)
+            and has_initial_state.dtype == torch.bool
+            and has_initial_state.is_contiguous()
+        )
+    ):
+        raise ValueError(f"has_initial_state: expected a contiguous bool ({num_decodes},) or None")
 
 
 def _ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state) -> tuple:
@@ -579,24 +588,32 @@ def hybrid_decode(
     safe. Returns (attn_out, ssm_out)."""
     num_decodes, num_heads, head_dim = query.shape
     num_blocks, page_size, num_kv_heads, _ = key_cache.shape
-    assert num_heads % num_kv_heads == 0, f"query: {num_heads} heads is not a multiple of {num_kv_heads} kv heads"
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query: {num_heads} heads is not a multiple of {num_kv_heads} kv heads")
     for name, x in (("key_cache", key_cache), ("value_cache", value_cache)):
-        assert x.shape == (num_blocks, page_size, num_kv_heads, head_dim), (
-            f"{name}: expected {(num_blocks, page_size, num_kv_heads, head_dim)}, got {x.shape}"
-        )
-        assert x.dtype == query.dtype, f"{name}: dtype {x.dtype} differs from the query's {query.dtype}"
-    assert attn_out.shape == query.shape, f"attn_out: expected {query.shape}, got {attn_out.shape}"
+        if x.shape != (num_blocks, page_size, num_kv_heads, head_dim):
+            raise ValueError(f"{name}: expected {(num_blocks, page_size, num_kv_heads, head_dim)}, got {x.shape}")
+        if x.dtype != query.dtype:
+            raise ValueError(f"{name}: dtype {x.dtype} differs from the query's {query.dtype}")
+    if attn_out.shape != query.shape:
+        raise ValueError(f"attn_out: expected {query.shape}, got {attn_out.shape}")
     for name, x in (("query", query), ("attn_out", attn_out)):
-        assert x.stride(-1) == 1, f"{name}: the head dim must be contiguous"
-    assert block_table.dim() == 2 and block_table.shape[0] == num_decodes and block_table.dtype == torch.int32, (
-        f"block_table: expected int32 [{num_decodes}, max_blocks], got {block_table.dtype} {block_table.shape}"
-    )
-    assert block_table.stride(-1) == 1, "block_table: rows must be contiguous"
-    assert seq_lens.shape == (num_decodes,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), (
-        f"seq_lens: expected contiguous int32 ({num_decodes},), got {seq_lens.dtype} {seq_lens.shape}"
-    )
-    assert window is None or window >= 1, f"window: expected None or >= 1, got {window}"
-    assert u.shape[0] == num_decodes, f"u: expected {num_decodes} rows (one per decoding request), got {u.shape[0]}"
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: the head dim must be contiguous")
+    if not (block_table.dim() == 2 and block_table.shape[0] == num_decodes and block_table.dtype == torch.int32):
+        raise ValueError(
+            f"block_table: expected int32 [{num_decodes}, max_blocks], got {block_table.dtype} {block_table.shape}"
+        )
+    if block_table.stride(-1) != 1:
+        raise ValueError("block_table: rows must be contiguous")
+    if not (seq_lens.shape == (num_decodes,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()):
+        raise ValueError(
+            f"seq_lens: expected contiguous int32 ({num_decodes},), got {seq_lens.dtype} {seq_lens.shape}"
+        )
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected None or >= 1, got {window}")
+    if u.shape[0] != num_decodes:
+        raise ValueError(f"u: expected {num_decodes} rows (one per decoding request), got {u.shape[0]}")
     _check_ssm_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
 
     max_keys = block_table.shape[1] * page_size
@@ -607,7 +624,8 @@ def hybrid_decode(
     num_channels, state_size = u.shape[1], A.shape[1]
     block_e = block_e or _pick_ssm_block_e(num_channels, state_size)
     group = num_heads // num_kv_heads
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n: expected a power of two >= 16, got {block_n}"
+    if not (block_n >= 16 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {block_n}")
     if num_decodes == 0:  # an empty grid is not a valid launch
         return attn_out, ssm_out
 
@@ -617,12 +635,15 @@ def hybrid_decode(
         part_ml = query.new_empty(num_pairs * splits * 2 * group, dtype=torch.float32)
         if counters is None:
             counters = torch.zeros(num_pairs, dtype=torch.int32, device=query.device)
-        assert (
+        if not (
             counters.dtype == torch.int32
             and counters.numel() >= num_pairs
             and counters.is_contiguous()
             and counters.device == query.device
-        ), f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros on {query.device}"
+        ):
+            raise ValueError(
+                f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros on {query.device}"
+            )
     else:  # never dereferenced: without split-K the programs write attn_out directly
         part_o = part_ml = counters = attn_out
     num_attn_programs = num_pairs * splits

@@ -356,25 +356,31 @@ def paged_window_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
-    assert key_cache.dim() == 4 and key_cache.shape[3] == head_dim, f"key_cache {tuple(key_cache.shape)}"
-    assert value_cache.shape == key_cache.shape, f"value_cache {tuple(value_cache.shape)} vs key_cache"
-    assert key_cache.dtype == value_cache.dtype == query.dtype, (
-        f"key_cache/value_cache dtype {key_cache.dtype}/{value_cache.dtype} != query dtype {query.dtype}"
-    )
-    assert num_heads % num_kv_heads == 0, f"query heads {num_heads} not a multiple of cache kv heads {num_kv_heads}"
-    assert num_seqs >= 1 and query_start_loc.shape == (num_seqs + 1,), (
-        f"query_start_loc {tuple(query_start_loc.shape)} for seq_lens {tuple(seq_lens.shape)}"
-    )
-    assert block_table.dim() == 2 and block_table.shape[0] == num_seqs, f"block_table {tuple(block_table.shape)}"
+    if not (key_cache.dim() == 4 and key_cache.shape[3] == head_dim):
+        raise ValueError(f"key_cache: expected [blocks, page, kv heads, {head_dim}], got {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache: shape {tuple(value_cache.shape)} differs from key_cache's")
+    if not (key_cache.dtype == value_cache.dtype == query.dtype):
+        raise ValueError(
+            f"key_cache/value_cache dtype {key_cache.dtype}/{value_cache.dtype} != query dtype {query.dtype}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} not a multiple of cache kv heads {num_kv_heads}")
+    if not (num_seqs >= 1 and query_start_loc.shape == (num_seqs + 1,)):
+        raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} for seq_lens {tuple(seq_lens.shape)}")
+    if not (block_table.dim() == 2 and block_table.shape[0] == num_seqs):
+        raise ValueError(f"block_table: expected [{num_seqs}, max_blocks], got {tuple(block_table.shape)}")
     for name, tensor in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        assert tensor.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {tensor.dtype}"
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1, (
-        "query_start_loc, seq_lens and block_table rows must be contiguous"
-    )
-    assert window is None or window >= 1, f"window {window}"
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {tensor.dtype}")
+    if not (query_start_loc.is_contiguous() and seq_lens.is_contiguous() and block_table.stride(1) == 1):
+        raise ValueError("query_start_loc, seq_lens and block_table rows must be contiguous")
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected None or >= 1, got {window}")
     if out is None:
         out = torch.empty_like(query)
-    assert out.shape == query.shape and out.dtype == query.dtype, f"out {tuple(out.shape)} {out.dtype}"
+    if not (out.shape == query.shape and out.dtype == query.dtype):
+        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} {out.dtype}")
 
     group = num_heads // num_kv_heads
     config = _pick_blocks(
@@ -389,8 +395,10 @@ def paged_window_attention(
     }
     config.update({key: value for key, value in overrides.items() if value is not None})
     block_q, block_n, num_splits = config["block_q"], config["block_n"], config["num_splits"]
-    assert block_q >= 1 and block_q & (block_q - 1) == 0, f"block_q {block_q} must be a power of two"
-    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n} must be a power of two >= 16"
+    if not (block_q >= 1 and block_q & (block_q - 1) == 0):
+        raise ValueError(f"block_q {block_q} must be a power of two")
+    if not (block_n >= 16 and block_n & (block_n - 1) == 0):
+        raise ValueError(f"block_n {block_n} must be a power of two >= 16")
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
     block_m = max(16, block_q * group_pad)  # tl.dot needs 16 rows
