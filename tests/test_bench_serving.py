@@ -79,7 +79,7 @@ def test_profile_tables_at_the_asked_batches(tmp_path):
 
 
 def test_profile_batches_are_checked(tmp_path, capsys):
-    for bad in ("0", "1,x", "300"):
+    for bad in ("0", "1,x", "300", ""):
         with pytest.raises(SystemExit) as exit_info:
             bench_serving.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
         assert exit_info.value.code == 2
