@@ -11,7 +11,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from vllm_integration.ssm import HybridSSMMetadataBuilder, leading_one_token_rows
+from vllm_integration.ssm import HybridSSMMetadataBuilder
 
 
 @pytest.fixture(scope="module")
@@ -107,9 +107,12 @@ def test_a_batch_led_by_a_longer_query_has_no_decode_rows(builders):
     assert metadata.has_initial_states_p.tolist() == [False, False]
 
 
-def test_leading_one_token_rows_without_a_longer_query():
+def test_one_token_rows_without_a_longer_query_are_all_decodes(builders):
     """A batch whose recorded longest query exceeds its rows' (vLLM computes it exactly today): every row still
     counts as a one-token row, so the batch stays all decodes rather than falling back to Mamba-1's split."""
     common = batch([21, 1, 5], [1, 1, 1], [False, True, False], [1, 2, 3])
-    assert leading_one_token_rows(common.replace(max_query_len=2)) == 3
-    assert leading_one_token_rows(batch([21, 30], [1, 30], [False, True], [1, 2])) == 1
+    metadata = builders[0].build(0, common.replace(max_query_len=2))
+    assert (metadata.num_decodes, metadata.num_prefills) == (3, 0)
+    assert metadata.has_initial_states_d.tolist() == [True, False, True]
+    metadata = builders[0].build(0, batch([21, 30], [1, 30], [False, True], [1, 2]))
+    assert (metadata.num_decodes, metadata.num_prefills) == (1, 1)

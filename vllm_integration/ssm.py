@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.mamba1_attn import (
     Mamba1AttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from modeling.ops import (
     causal_conv1d_update_ref,
@@ -87,7 +88,9 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False, **kwargs
     ) -> HybridSSMMetadata:
-        num_decodes = leading_one_token_rows(common_attn_metadata)
+        # The requests with at most one new token at the head of the batch (CUDA-graph padding rows have none),
+        # whether vLLM calls them prefilling or not.
+        num_decodes, *_ = split_decodes_and_prefills(common_attn_metadata)
         if num_decodes == 0:
             return super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
         is_prefilling = common_attn_metadata.is_prefilling.clone()
@@ -113,15 +116,6 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
         if rows > self.decode_cudagraph_max_bs:  # never replayed from a graph
             return flags
         return self.has_initial_states_d[:rows].copy_(flags)
-
-
-def leading_one_token_rows(common_attn_metadata: CommonAttentionMetadata) -> int:
-    """How many requests at the head of the batch have at most one new token (CUDA-graph padding rows have none)."""
-    if common_attn_metadata.max_query_len <= 1:
-        return common_attn_metadata.num_reqs
-    query_lens = torch.diff(common_attn_metadata.query_start_loc_cpu[: common_attn_metadata.num_reqs + 1])
-    longer = (query_lens > 1).nonzero()
-    return int(longer[0]) if len(longer) else common_attn_metadata.num_reqs
 
 
 class HybridSSMBackend(Mamba1AttentionBackend):
