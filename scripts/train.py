@@ -71,7 +71,7 @@ def text_file_examples(path: str, tokenizer, block_size: int) -> list[dict]:
 def train(
     model: HybridForCausalLM,
     tokenizer,
-    examples: list[dict],
+    examples: list[dict] | Dataset,
     output_dir: str,
     steps: int,
     batch_size: int = 32,
@@ -81,9 +81,16 @@ def train(
     bf16: bool = False,
     gradient_checkpointing: bool = False,
     description: str = "",
+    data_collator=None,
+    callbacks=None,
+    **training_arguments,
 ) -> Trainer:
-    """Trains `model` in place with `Trainer` (AdamW, a short warmup, then `lr_scheduler_type`; progress bar)."""
-    args = TrainingArguments(
+    """Trains `model` in place with `Trainer` (AdamW, a short warmup, then `lr_scheduler_type`; progress bar).
+
+    `examples`: a list of examples or a `Dataset`; `data_collator` batches them (default: left padding with
+    `attention_mask`). `training_arguments` override the `TrainingArguments` set here (e.g. `weight_decay`, `optim`).
+    """
+    defaults = dict(
         output_dir=output_dir,
         max_steps=steps,
         per_device_train_batch_size=batch_size,
@@ -103,9 +110,10 @@ def train(
     )
     trainer = Trainer(
         model=model,
-        args=args,
-        train_dataset=ExampleDataset(examples),
-        data_collator=lambda batch: collate_left_padded(batch, tokenizer.pad_token_id),
+        args=TrainingArguments(**(defaults | training_arguments)),
+        train_dataset=ExampleDataset(examples) if isinstance(examples, list) else examples,
+        data_collator=data_collator or (lambda batch: collate_left_padded(batch, tokenizer.pad_token_id)),
+        callbacks=callbacks,
     )
     trainer.train()
     return trainer
