@@ -1,0 +1,712 @@
+"""Language modelling on real text, beyond the window: the hybrid against sliding-window and full attention.
+
+Corpus (nothing fetched): the Python sources that ship on every machine, the interpreter's standard library and the
+installed packages' `.py` files. The file list is deterministic (sorted walk, size caps, content-hash dedup) and split
+into train and validation by a hash of each file's path, so that no file is in both; the results record the file
+counts, bytes and a hash of the list. A byte-level BPE is trained on the training split with `tokenizers` and saved
+beside the results: every model uses it.
+
+Models, of the same shapes, trained on the same tokens in the same order with the same schedule (bf16 autocast,
+Transformers' `Trainer` through `scripts/train.py`):
+  hybrid  HybridForCausalLM: sliding-window attention + the SSM history branch in every layer
+  swa     the same with `use_ssm_branch=False`
+  full    Transformers' own LlamaForCausalLM of the same shape (full causal attention)
+
+Metrics on the held-out files: the loss by position (each evaluation sequence is the first T tokens of one held-out
+file, so a position is a position in that file), in buckets [0,W), [W,4W), [4W,16W); a passkey probe (a line
+`passkey = "k3x9q"`, held-out code, then `assert passkey == "`: is the value the greedy continuation?) at distances
+W/2 .. 16W; training tokens/s (median over logging intervals, the first excluded) and peak memory.
+
+    python scripts/bench_lm.py --models hybrid --train-seconds 330      # steps picked from a time budget
+    python scripts/bench_lm.py --models swa,full --steps 1500           # the same steps for the others
+    python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
+    python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
+
+Each model's results go to `OUTPUT_DIR/results-MODEL.json`; the corpus, tokenizer and token arrays are cached in
+`OUTPUT_DIR` and reused while the file list (its hash) is the same.
+"""
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    default_data_collator,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configuration import HybridConfig  # noqa: E402
+from modeling import HybridForCausalLM  # noqa: E402
+from train import train  # noqa: E402
+
+
+MODELS = ("hybrid", "swa", "full")
+EOS = "<|endoftext|>"
+PASSKEY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shapes shared by the three models, and the training sequence."""
+
+    vocab_size: int = 16384
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    window: int = 256  # W
+    context: int = 4096  # T: 16 W, so that [4W, 16W) is inside a training sequence
+    batch_size: int = 8
+
+
+SMOKE_SHAPE = Shape(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, window=16, context=128, batch_size=4,
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Corpus
+
+
+def python_source_roots() -> list[tuple[str, Path]]:
+    """(label, directory) of the standard library and of the installed packages, each directory once."""
+    paths = sysconfig.get_paths()
+    roots, seen = [], set()
+    for label, key in (("stdlib", "stdlib"), ("site", "purelib"), ("site", "platlib")):
+        path = Path(paths[key]).resolve()
+        if path not in seen and path.is_dir():
+            roots.append((label, path))
+            seen.add(path)
+    return roots
+
+
+def _hash_fraction(text: str, salt: str) -> float:
+    """A deterministic number in [0, 1) drawn from `text`."""
+    return int.from_bytes(hashlib.sha1(f"{salt}:{text}".encode()).digest()[:8], "big") / 2**64
+
+
+@dataclass
+class Corpus:
+    train: list[str]
+    validation: list[str]
+    stats: dict
+
+
+def collect_corpus(
+    roots: list[tuple[str, Path]],
+    min_file_bytes: int = 256,
+    max_file_bytes: int = 1 << 20,
+    max_total_bytes: int | None = None,
+    validation_fraction: float = 0.02,
+) -> Corpus:
+    """Every `.py` file under `roots` (sorted walk; symlinks, `__pycache__` and another root's subtree skipped) of
+    `min_file_bytes..max_file_bytes`, readable as UTF-8, whose content was not seen before. With `max_total_bytes`,
+    files are taken in the order of a hash of their path until the budget is spent (a spread, deterministic sample).
+    The split is by a second hash of the path: the same file always lands on the same side."""
+    root_dirs = {path for _, path in roots}
+    candidates = []  # (name, path, size)
+    for label, root in roots:
+        for directory, subdirs, files in os.walk(root):
+            current = Path(directory)
+            # The standard library's folder holds the base interpreter's site-packages: walked as its own root, or not.
+            subdirs[:] = sorted(
+                d for d in subdirs
+                if d != "__pycache__" and not (current / d).is_symlink() and (current / d) not in root_dirs
+                and not (label == "stdlib" and d in ("site-packages", "dist-packages"))
+            )
+            for name in sorted(files):
+                path = current / name
+                if name.endswith(".py") and not path.is_symlink():
+                    size = path.stat().st_size
+                    if min_file_bytes <= size <= max_file_bytes:
+                        candidates.append((f"{label}/{path.relative_to(root)}", path, size))
+    if max_total_bytes is not None:
+        candidates.sort(key=lambda c: _hash_fraction(c[0], "sample"))
+
+    seen_contents, listing = set(), []
+    corpus = Corpus(train=[], validation=[], stats={})
+    skipped = {"duplicate": 0, "not_utf8": 0}
+    total = 0
+    for name, path, size in candidates:
+        if max_total_bytes is not None and total + size > max_total_bytes:
+            continue
+        raw = path.read_bytes()
+        digest = hashlib.sha1(raw).hexdigest()
+        if digest in seen_contents:
+            skipped["duplicate"] += 1
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["not_utf8"] += 1
+            continue
+        seen_contents.add(digest)
+        total += size
+        split = "validation" if _hash_fraction(name, "split") < validation_fraction else "train"
+        getattr(corpus, split).append(text)
+        listing.append(f"{split}\t{name}\t{digest}")
+    listing.sort()
+    corpus.stats = {
+        "roots": [f"{label}: {path}" for label, path in roots],
+        "train_files": len(corpus.train),
+        "validation_files": len(corpus.validation),
+        "train_bytes": sum(len(t.encode()) for t in corpus.train),
+        "validation_bytes": sum(len(t.encode()) for t in corpus.validation),
+        "skipped": skipped,
+        "file_caps_bytes": [min_file_bytes, max_file_bytes],
+        "max_total_bytes": max_total_bytes,
+        "list_sha256": hashlib.sha256("\n".join(listing).encode()).hexdigest(),
+    }
+    return corpus
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tokenizer and token arrays
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE (GPT-2's pre-tokenizer, every byte in the base alphabet) trained on `texts`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS, eos_token=EOS, pad_token=EOS)
+
+
+def encode_files(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.uint16) for e in encodings]
+
+
+@dataclass
+class TokenizedCorpus:
+    tokenizer: PreTrainedTokenizerFast
+    train: np.ndarray  # the training files' tokens, each file followed by EOS
+    validation: list[np.ndarray]  # one array per held-out file
+    stats: dict
+
+
+def prepare_data(corpus: Corpus, vocab_size: int, tokenizer_bytes: int, cache_dir: Path) -> TokenizedCorpus:
+    """Trains the tokenizer on the first `tokenizer_bytes` of the training split and tokenizes both splits, or loads
+    them from `cache_dir` when they were made from the same file list and settings."""
+    key = {"list_sha256": corpus.stats["list_sha256"], "vocab_size": vocab_size, "tokenizer_bytes": tokenizer_bytes}
+    meta_path = cache_dir / "corpus.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == key:
+        stats = json.loads(meta_path.read_text())["stats"]
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(cache_dir / "tokenizer")
+        validation = np.load(cache_dir / "validation.npz")
+        lengths = validation["lengths"].tolist()
+        validation = np.split(validation["tokens"], np.cumsum(lengths)[:-1])
+        return TokenizedCorpus(tokenizer, np.load(cache_dir / "train.npy", mmap_mode="r"), validation, stats)
+
+    start = time.perf_counter()
+    sample, budget = [], tokenizer_bytes
+    for text in corpus.train:
+        if budget <= 0:
+            break
+        sample.append(text)
+        budget -= len(text)
+    tokenizer = train_tokenizer(sample, vocab_size)
+    train_files = encode_files(tokenizer, corpus.train)
+    eos = np.asarray([tokenizer.eos_token_id], dtype=np.uint16)
+    train_tokens = np.concatenate([part for ids in train_files for part in (ids, eos)])
+    validation = encode_files(tokenizer, corpus.validation)
+    stats = dict(corpus.stats)
+    stats.update(
+        train_tokens=int(train_tokens.size),
+        validation_tokens=int(sum(v.size for v in validation)),
+        bytes_per_token=round(stats["train_bytes"] / train_tokens.size, 3),
+        tokenizer_vocab_size=len(tokenizer),
+        tokenizer_trained_on_bytes=tokenizer_bytes - budget if budget > 0 else tokenizer_bytes,
+        prepare_seconds=round(time.perf_counter() - start, 1),
+    )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(cache_dir / "tokenizer")
+    np.save(cache_dir / "train.npy", train_tokens)
+    np.savez(cache_dir / "validation.npz", tokens=np.concatenate(validation), lengths=[v.size for v in validation])
+    meta_path.write_text(json.dumps({"key": key, "stats": stats}, indent=1))
+    return TokenizedCorpus(tokenizer, train_tokens, validation, stats)
+
+
+class PackedSequences(Dataset):
+    """The training stream cut into consecutive sequences of `context` tokens (files packed, EOS between them)."""
+
+    def __init__(self, tokens: np.ndarray, context: int):
+        self.tokens, self.context = tokens, context
+
+    def __len__(self):
+        return self.tokens.size // self.context
+
+    def __getitem__(self, index):
+        ids = torch.from_numpy(self.tokens[index * self.context : (index + 1) * self.context].astype(np.int64))
+        return {"input_ids": ids, "labels": ids}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+
+
+def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int) -> torch.nn.Module:
+    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=4 * shape.context,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "full":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = HybridForCausalLM(HybridConfig(**common, sliding_window=shape.window, use_ssm_branch=kind == "hybrid"))
+    model.set_attn_implementation(attn_implementation)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of every `every` optimizer steps (device synchronised), for tokens/s without the first interval
+    (compilation, allocator warm-up)."""
+
+    def __init__(self, every: int):
+        self.every, self.marks = every, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.marks.append(time.perf_counter())
+
+    def interval_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, output_dir: Path) -> dict:
+    """Trains `model` in place for `steps` steps; returns the throughput, memory and loss log."""
+    timer = StepTimer(every=max(1, min(25, steps // 8)))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer = train(
+        model,
+        tokenizer,
+        dataset,
+        str(output_dir / "trainer"),
+        steps,
+        batch_size=shape.batch_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        bf16=torch.cuda.is_available(),
+        data_collator=default_data_collator,
+        callbacks=[timer],
+        warmup_steps=max(1, steps // 20),
+        adam_beta2=0.95,
+        optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=max(1, steps // 40),
+        disable_tqdm=True,
+    )
+    intervals = timer.interval_seconds()
+    tokens_per_step = shape.batch_size * shape.context
+    return {
+        "steps": steps,
+        "tokens": steps * tokens_per_step,
+        "epochs": round(steps * shape.batch_size / len(dataset), 3),
+        "tokens_per_second": round(timer.every * tokens_per_step / statistics.median(intervals)) if intervals else None,
+        "timed_intervals": len(intervals),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
+        "loss_log": [(e["step"], round(e["loss"], 4)) for e in trainer.state.log_history if "loss" in e],
+    }
+
+
+def probe_seconds_per_step(kind: str, data: TokenizedCorpus, shape: Shape, args) -> float:
+    """Trains a throwaway copy of the model for a few steps, which compiles what its training needs (the real run then
+    starts warm), and returns the median seconds per step."""
+    model = build_model(kind, shape, data.tokenizer, args.attn, args.seed)
+    dataset = PackedSequences(data.train, shape.context)
+    training = train_model(model, data.tokenizer, dataset, shape, 12, args, args.output_dir / kind / "probe")
+    return shape.batch_size * shape.context / training["tokens_per_second"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def autocast():
+    return torch.autocast("cuda", dtype=torch.bfloat16) if torch.cuda.is_available() else torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def loss_by_position(model, sequences: torch.Tensor, batch_size: int) -> np.ndarray:
+    """Mean next-token loss at each position of `sequences` [S, T]: entry t is the loss of predicting token t+1 from
+    tokens 0..t, averaged over the S sequences. Returns [T-1]."""
+    device = next(model.parameters()).device
+    total = torch.zeros(sequences.shape[1] - 1, dtype=torch.float64)
+    for start in range(0, len(sequences), batch_size):
+        ids = sequences[start : start + batch_size].to(device)
+        with autocast():
+            logits = model(input_ids=ids).logits[:, :-1]
+        losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+        total += losses.sum(0).double().cpu()
+    return (total / len(sequences)).numpy()
+
+
+def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
+    edges = [0, window, 4 * window, 16 * window]
+    buckets = {}
+    for low, high in zip(edges, edges[1:]):
+        if low < context - 1:
+            name = f"[{_in_windows(low, window)},{_in_windows(high, window)})"
+            buckets[name] = (low, min(high, context - 1))
+    return buckets
+
+
+def _in_windows(position: int, window: int) -> str:
+    return "0" if position == 0 else ("W" if position == window else f"{position // window}W")
+
+
+def binned_curve(losses: np.ndarray, num_bins: int = 40) -> list[tuple[float, float]]:
+    """(geometric centre, mean loss) of log-spaced position bins, for the plot."""
+    edges = np.unique(np.geomspace(1, losses.size + 1, num_bins).astype(int))
+    return [
+        (float(math.sqrt(low * high)), float(losses[low - 1 : high - 1].mean())) for low, high in zip(edges, edges[1:])
+    ]
+
+
+def evaluation_sequences(validation: list[np.ndarray], context: int, limit: int) -> torch.Tensor:
+    """The first `context` tokens of each held-out file that has that many (at most `limit` files)."""
+    long_files = [ids[:context] for ids in validation if ids.size >= context][:limit]
+    if not long_files:
+        raise SystemExit(f"error: no held-out file has {context} tokens; lower --context or add files")
+    return torch.from_numpy(np.stack(long_files).astype(np.int64))
+
+
+@dataclass
+class PasskeyProbe:
+    input_ids: list[int]  # assignment line, `distance` tokens of filler, question, the answer but its last token
+    answer: list[int]
+
+
+def passkey_probes(tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int) -> list[PasskeyProbe]:
+    """`count` probes: `passkey = "<5 random characters>"`, then `distance` tokens of held-out code (cut from the
+    held-out files joined by blank lines, starting after a newline), then `assert passkey == "`."""
+    generator = np.random.default_rng(seed + distance)
+    newline = tokenizer.encode("\n\n", add_special_tokens=False)
+    stream = np.concatenate([part for ids in validation for part in (ids, np.asarray(newline, dtype=np.uint16))])
+    line_starts = np.flatnonzero(np.isin(stream, tokenizer.encode("\n", add_special_tokens=False)))[:-1] + 1
+    question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
+    line_starts = line_starts[line_starts + distance <= stream.size]
+    if line_starts.size == 0:
+        raise SystemExit(f"error: the held-out files hold too few tokens for a passkey probe at distance {distance}")
+    probes = []
+    for start in generator.choice(line_starts, size=count):
+        value = "".join(generator.choice(list(PASSKEY_ALPHABET), size=5))
+        answer = tokenizer.encode(value, add_special_tokens=False)
+        assignment = (
+            tokenizer.encode('passkey = "', add_special_tokens=False)
+            + answer
+            + tokenizer.encode('"\n', add_special_tokens=False)
+        )
+        filler = stream[start : start + distance].tolist()
+        probes.append(PasskeyProbe(assignment + filler + question + answer[:-1], answer))
+    return probes
+
+
+@torch.no_grad()
+def passkey_accuracy(model, probes: list[PasskeyProbe], batch_size: int) -> float:
+    """Fraction of probes whose answer is the greedy continuation of the question (every answer token the argmax)."""
+    device = next(model.parameters()).device
+    correct = 0
+    for start in range(0, len(probes), batch_size):
+        batch = probes[start : start + batch_size]
+        length = max(len(p.input_ids) for p in batch)
+        # Left padding with a mask: the answers line up at the end of every row.
+        ids = torch.full((len(batch), length), model.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, probe in enumerate(batch):
+            ids[row, length - len(probe.input_ids) :] = torch.tensor(probe.input_ids)
+            mask[row, length - len(probe.input_ids) :] = 1
+        with autocast():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        for row, probe in enumerate(batch):
+            predicted = logits[row, length - len(probe.answer) :].argmax(-1).tolist()
+            correct += predicted == probe.answer
+    return correct / len(probes)
+
+
+@torch.no_grad()
+def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] | None:
+    """Per layer, how long the history branch remembers on held-out text: for each channel the median over tokens of
+    the e-folding time `1 / (dt * min_n |A_n|)` of its slowest state (in tokens), summarised over the channels."""
+    layers = [layer.self_attn.ssm for layer in model.model.layers] if isinstance(model, HybridForCausalLM) else []
+    if not layers or layers[0] is None:
+        return None
+    captured = {}
+    hooks = [
+        ssm.dt_proj.register_forward_hook(lambda _m, _i, out, i=i: captured.__setitem__(i, F.softplus(out.float())))
+        for i, ssm in enumerate(layers)
+    ]
+    try:
+        with autocast():
+            model(input_ids=sequences.to(next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stats = []
+    for i, ssm in enumerate(layers):
+        slowest_rate = torch.exp(ssm.A_log.float()).min(-1).values  # [E]: min_n |A_n|
+        memory = (1.0 / (captured[i] * slowest_rate)).flatten(0, 1).median(0).values  # [E], tokens
+        stats.append(
+            {
+                "memory_tokens_p10_p50_p90": [round(float(q), 1) for q in memory.quantile(torch.tensor([0.1, 0.5, 0.9], device=memory.device))],
+                "channels_beyond_window": round(float((memory > window).float().mean()), 3),
+                "out_proj_norm": round(float(ssm.out_proj.weight.float().norm()), 3),
+            }
+        )
+    return stats
+
+
+def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
+    model.eval()
+    # Evaluation shapes vary (probe lengths): SDPA computes the same attention without a compilation per shape.
+    model.set_attn_implementation("sdpa")
+    sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences)
+    losses = loss_by_position(model, sequences, args.eval_batch_size)
+    result = {
+        "evaluation_sequences": len(sequences),
+        "mean_loss": round(float(losses.mean()), 4),
+        "loss_by_bucket": {
+            name: round(float(losses[low:high].mean()), 4)
+            for name, (low, high) in position_buckets(shape.window, shape.context).items()
+        },
+        "loss_curve": binned_curve(losses),
+        "passkey": {},
+    }
+    for multiple in (0.5, 2, 4, 8, 16):
+        distance = int(multiple * shape.window)
+        probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, args.seed)
+        key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
+        result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
+    result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def print_table(results: list[dict]) -> None:
+    buckets = list(results[0]["eval"]["loss_by_bucket"])
+    passkeys = list(results[0]["eval"]["passkey"])
+    header = ["model", "params", "tokens", "tok/s", "mean loss", *(f"loss {b}" for b in buckets),
+              *(f"passkey {p}" for p in passkeys)]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in results:
+        ev = r["eval"]
+        tok_s = r["train"]["tokens_per_second"]
+        row = [r["model"], _count(r["parameters"]), _count(r["train"]["tokens"]),
+               f"{tok_s:,}" if tok_s else "-", f"{ev['mean_loss']:.3f}",
+               *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets), *(f"{ev['passkey'][p]:.2f}" for p in passkeys)]
+        print("| " + " | ".join(row) + " |")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        x, y = zip(*r["eval"]["loss_curve"])
+        ax.plot(x, y, label=f"{r['model']} ({_count(r['parameters'])})")
+    window = results[0]["shape"]["window"]
+    ax.axvline(window, color="grey", linestyle="--", linewidth=1)
+    ax.text(window, ax.get_ylim()[1], " window W", va="top", color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("position in a held-out file (tokens)")
+    ax.set_ylabel("next-token loss (nats)")
+    corpus = results[0]["corpus"]
+    ax.set_title(f"Held-out Python sources ({corpus['validation_files']} files, list {corpus['list_sha256'][:10]})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
+    dataset = PackedSequences(data.train, shape.context)
+    model = build_model(kind, shape, data.tokenizer, args.attn, args.seed)
+    print(f"\n== {kind}: {model.num_parameters():,} parameters, {steps} steps of {shape.batch_size} x {shape.context}")
+    training = train_model(model, data.tokenizer, dataset, shape, steps, args, args.output_dir / kind)
+    print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s; evaluating")
+    return {
+        "model": kind,
+        "parameters": model.num_parameters(),
+        "shape": asdict(shape),
+        "attn_implementation": args.attn,
+        "learning_rate": args.lr,
+        "seed": args.seed,
+        "train": training,
+        "eval": evaluate(model, data, shape, args),
+        "corpus": data.stats,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "commit": args.commit or _git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join(sys.argv),
+    }
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="hybrid,swa,full", help=f"comma-separated, of {', '.join(MODELS)}")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps per model")
+    budget.add_argument("--train-seconds", type=float, help="pick the steps that fit this budget for the first model")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs/bench_lm"))
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attn", help="attention implementation for training (default: flex_attention on CUDA, "
+                        "sdpa on CPU); evaluation always runs SDPA")
+    parser.add_argument("--corpus-bytes", type=int, help="cap on the corpus size (a hash-spread sample of the files)")
+    parser.add_argument("--validation-fraction", type=float, default=0.02, help="share of the files held out")
+    parser.add_argument("--tokenizer-bytes", type=int, default=64 << 20, help="training text for the tokenizer")
+    parser.add_argument("--eval-sequences", type=int, default=256)
+    parser.add_argument("--eval-batch-size", type=int, default=8)
+    parser.add_argument("--passkey-probes", type=int, default=200, help="probes per distance")
+    parser.add_argument("--report", nargs="+", type=Path, metavar="JSON", help="print the table of these results")
+    parser.add_argument("--plot", type=Path, help="with --report (or after a run): the loss-by-position PNG")
+    parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
+    parser.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few steps, CPU")
+    args = parser.parse_args(argv)
+    if args.report:
+        return args
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown or not args.models:
+        parser.error(f"--models takes {', '.join(MODELS)}; got {', '.join(unknown) or 'none'}")
+    if args.steps is not None and args.steps < 1 or args.train_seconds is not None and args.train_seconds <= 0:
+        parser.error("--steps and --train-seconds must be positive")
+    if args.smoke:
+        args.steps = args.steps or 20
+        args.corpus_bytes = args.corpus_bytes or 2 << 20
+        args.validation_fraction = 0.2
+        args.tokenizer_bytes = 1 << 20
+        args.eval_sequences, args.passkey_probes = 16, 16
+    elif args.steps is None and args.train_seconds is None:
+        parser.error("give --steps or --train-seconds (or --smoke, or --report)")
+    args.attn = args.attn or ("flex_attention" if torch.cuda.is_available() else "sdpa")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        results = [json.loads(path.read_text()) for path in args.report]
+        print_table(results)
+        if args.plot:
+            plot(results, args.plot)
+            print(f"plot: {args.plot}")
+        return 0
+
+    shape = SMOKE_SHAPE if args.smoke else Shape()
+    roots = python_source_roots()
+    if args.smoke:
+        roots = [root for root in roots if root[0] == "stdlib"]
+    start = time.perf_counter()
+    corpus = collect_corpus(roots, max_total_bytes=args.corpus_bytes, validation_fraction=args.validation_fraction)
+    data = prepare_data(corpus, shape.vocab_size, args.tokenizer_bytes, args.output_dir / "data")
+    print(
+        f"corpus: {data.stats['train_files']:,} train / {data.stats['validation_files']:,} held-out files, "
+        f"{data.stats['train_tokens']:,} / {data.stats['validation_tokens']:,} tokens, list sha256 "
+        f"{data.stats['list_sha256'][:16]} ({time.perf_counter() - start:.0f} s)"
+    )
+
+    # The first model's probe compiles and times its training, and checks that the attention implementation trains.
+    try:
+        seconds_per_step = probe_seconds_per_step(args.models[0], data, shape, args)
+    except Exception as error:  # any failure of the compiled attention: fall back to the one that always trains
+        if args.attn == "sdpa":
+            raise
+        print(f"warning: training with {args.attn} failed ({type(error).__name__}: {error}); using sdpa")
+        args.attn = "sdpa"
+        seconds_per_step = probe_seconds_per_step(args.models[0], data, shape, args)
+    steps = args.steps or max(1, int(args.train_seconds / seconds_per_step))
+    print(f"{args.models[0]}: {seconds_per_step * 1e3:.0f} ms per step ({args.attn}): {steps} steps")
+
+    results = []
+    for kind in args.models:
+        result = run_model(kind, data, shape, steps, args)
+        path = args.output_dir / f"results-{kind}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print(f"results: {path}")
+        results.append(result)
+    print()
+    print_table(results)
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
