@@ -395,6 +395,21 @@ def loss_by_position(model, sequences: torch.Tensor, batch_size: int) -> np.ndar
     return (total / len(sequences)).numpy()
 
 
+@torch.no_grad()
+def loss_with_short_context(model, sequences: torch.Tensor, window: int, batch_size: int) -> np.ndarray:
+    """Like `loss_by_position`, but the prediction from position t (kW <= t < (k+1)W, k >= 2) sees only tokens
+    (k-1)W..t: between W and 2W tokens, a whole attention window, and nothing older than 2W. Against the whole-file
+    loss this shows how much a model draws from context older than 2W. Entries t < 2W are NaN. Returns [T-1]."""
+    length = sequences.shape[1]
+    losses = np.full(length - 1, np.nan)
+    for first in range(2 * window, length - 1, window):  # first = kW
+        chunk = sequences[:, first - window : min(length, first + window + 1)]
+        chunk_losses = loss_by_position(model, chunk, batch_size)  # entry j: position first - W + j
+        last = min(first + window, length - 1)
+        losses[first:last] = chunk_losses[window : window + last - first]
+    return losses
+
+
 def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
     edges = [0, window, 4 * window, 16 * window]
     buckets = {}
@@ -403,6 +418,20 @@ def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
             name = f"[{_in_windows(low, window)},{_in_windows(high, window)})"
             buckets[name] = (low, min(high, context - 1))
     return buckets
+
+
+def context_gain(losses: np.ndarray, short_context_losses: np.ndarray, shape: Shape) -> dict:
+    """Per bucket beyond 2W: the loss with the whole file before each position, with at most 2W tokens of it, and
+    their difference (what the context older than 2W is worth)."""
+    gains = {}
+    for name, (low, high) in position_buckets(shape.window, shape.context).items():
+        low = max(low, 2 * shape.window)
+        if low < high:
+            whole, short = float(losses[low:high].mean()), float(short_context_losses[low:high].mean())
+            gains[f"[{_in_windows(low, shape.window)},{name.split(',')[1]}"] = {
+                "whole_file": round(whole, 4), "last_2W": round(short, 4), "gain": round(short - whole, 4)
+            }
+    return gains
 
 
 def _in_windows(position: int, window: int) -> str:
@@ -524,6 +553,9 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
             for name, (low, high) in position_buckets(shape.window, shape.context).items()
         },
         "loss_curve": binned_curve(losses),
+        "context_beyond_2W": context_gain(
+            losses, loss_with_short_context(model, sequences, shape.window, args.eval_batch_size), shape
+        ),
         "passkey": {},
     }
     for multiple in (0.5, 2, 4, 8, 16):

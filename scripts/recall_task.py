@@ -1,12 +1,15 @@
 """A synthetic long-range recall task and its word-level tokenizer, built locally (nothing is fetched).
 
-A sample is a few key/value pairs, then filler, then a query for one key:
+Multi-query associative recall (as in the Zoology/Based and Mamba papers): a sample binds a few keys to values, then
+comes filler, then every key is asked once, in another order, each question followed by its answer:
 
-    <bos> k3 v5 k1 v2 f7 f0 f9 ... f4 ? k1 v2
+    <bos> k3 v5 k1 v2 k6 v0 k4 v7 f2 f0 f3 ... f1 ? k1 v2 ? k4 v7 ? k3 v5 ? k6 v0
 
-The model must produce the value (`v2`) after `? k1`. The filler is longer than the attention can reach
-(`num_layers * (window - 1)` tokens back), so only a model that carries history beyond the window can answer;
-an attention-only control is left guessing among the values.
+The model must produce each value after `? k`; the loss is on every answer, so a sample teaches as many bindings as
+it has pairs. The filler puts every pair further back than the attention can reach (`num_layers * (window - 1)`
+tokens) from every question, so only a model that carries history beyond the window can answer. An attention-only
+control is left guessing: values are drawn independently, so the earlier answers within its reach tell it nothing
+about the next one, and chance is `1 / num_values`.
 """
 
 from dataclasses import dataclass
@@ -24,9 +27,9 @@ class RecallTask:
     num_keys: int = 8
     num_values: int = 8
     num_fillers: int = 4
-    num_pairs: int = 1
-    min_filler: int = 24
-    max_filler: int = 40
+    num_pairs: int = 4
+    min_filler: int = 13
+    max_filler: int = 24
 
     @property
     def words(self) -> list[str]:
@@ -50,34 +53,45 @@ class RecallTask:
             padding_side="left",
         )
 
-    def sample_text(self, generator: torch.Generator) -> tuple[str, str]:
-        """Returns (prompt, answer): the prompt ends with `? k`, the answer is that key's value."""
+    def sample_words(self, generator: torch.Generator) -> tuple[list[str], list[int]]:
+        """One sample: its words (pairs, filler, questions with their answers) and the indices of the answers."""
 
-        def randint(high: int, size: int = 1) -> list[int]:
+        def randint(high: int, size: int) -> list[int]:
             return torch.randint(high, (size,), generator=generator).tolist()
 
         keys = torch.randperm(self.num_keys, generator=generator)[: self.num_pairs].tolist()
         values = randint(self.num_values, self.num_pairs)
-        filler_len = self.min_filler + randint(self.max_filler - self.min_filler + 1)[0]
-        pairs = " ".join(f"k{k} v{v}" for k, v in zip(keys, values))
-        filler = " ".join(f"f{i}" for i in randint(self.num_fillers, filler_len))
-        asked = randint(self.num_pairs)[0]
-        return f"{pairs} {filler} {QUERY} k{keys[asked]}", f"v{values[asked]}"
+        filler_len = self.min_filler + randint(self.max_filler - self.min_filler + 1, 1)[0]
+        words = [word for k, v in zip(keys, values) for word in (f"k{k}", f"v{v}")]
+        words += [f"f{i}" for i in randint(self.num_fillers, filler_len)]
+        answer_indices = []
+        for asked in torch.randperm(self.num_pairs, generator=generator).tolist():
+            words += [QUERY, f"k{keys[asked]}", f"v{values[asked]}"]
+            answer_indices.append(len(words) - 1)
+        return words, answer_indices
+
+    def sample_questions(self, generator: torch.Generator) -> list[tuple[str, str]]:
+        """One sample as (prompt, answer) questions, one per answer: the prompt is the sample up to that question's
+        key (earlier questions come with their answers, as in training)."""
+        words, answer_indices = self.sample_words(generator)
+        return [(" ".join(words[:i]), words[i]) for i in answer_indices]
 
     def sample_examples(self, tokenizer, num_examples: int, seed: int) -> list[dict]:
-        """Training examples: `input_ids` = bos + prompt + answer, `labels` = -100 everywhere but the answer."""
+        """Training examples: `input_ids` = bos + the sample, `labels` = -100 everywhere but the answers."""
         generator = torch.Generator().manual_seed(seed)
         examples = []
         for _ in range(num_examples):
-            prompt, answer = self.sample_text(generator)
-            prompt_ids = [tokenizer.bos_token_id] + tokenizer.encode(prompt, add_special_tokens=False)
-            answer_id = tokenizer.convert_tokens_to_ids(answer)
-            examples.append({"input_ids": prompt_ids + [answer_id], "labels": [-100] * len(prompt_ids) + [answer_id]})
+            words, answer_indices = self.sample_words(generator)
+            input_ids = [tokenizer.bos_token_id] + tokenizer.convert_tokens_to_ids(words)
+            labels = [-100] * len(input_ids)
+            for i in answer_indices:
+                labels[i + 1] = input_ids[i + 1]  # + 1: the bos
+            examples.append({"input_ids": input_ids, "labels": labels})
         return examples
 
 
 def collate_left_padded(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Left-pads a list of examples into a batch with `attention_mask` (the answer stays the last token)."""
+    """Left-pads a list of examples into a batch with `attention_mask` (the last answer stays the last token)."""
     length = max(len(e["input_ids"]) for e in examples)
     batch = {"input_ids": [], "attention_mask": [], "labels": []}
     for e in examples:
@@ -90,11 +104,15 @@ def collate_left_padded(examples: list[dict], pad_token_id: int) -> dict[str, to
 
 @torch.no_grad()
 def recall_accuracy(model, examples: list[dict], pad_token_id: int, batch_size: int = 64) -> float:
-    """Fraction of examples whose answer is the argmax of the next-token logits after the prompt."""
+    """Fraction of answers that are the argmax of the next-token logits after their question (teacher forcing: what
+    each question with its prefix as the prompt would get)."""
     model.eval()
-    correct = 0
+    correct = total = 0
     for start in range(0, len(examples), batch_size):
         batch = collate_left_padded(examples[start : start + batch_size], pad_token_id)
-        logits = model(input_ids=batch["input_ids"][:, :-1], attention_mask=batch["attention_mask"][:, :-1]).logits
-        correct += (logits[:, -1].argmax(-1) == batch["input_ids"][:, -1]).sum().item()
-    return correct / len(examples)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        predicted, labels = logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
+        answered = labels != -100
+        correct += (predicted[answered] == labels[answered]).sum().item()
+        total += answered.sum().item()
+    return correct / total
