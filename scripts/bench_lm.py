@@ -12,10 +12,11 @@ Transformers' `Trainer` through `scripts/train.py`):
   swa     the same with `use_ssm_branch=False`
   full    Transformers' own LlamaForCausalLM of the same shape (full causal attention)
 
-Metrics on the held-out files: the loss by position (each evaluation sequence is the first T tokens of one held-out
-file, so a position is a position in that file), in buckets [0,W), [W,4W), [4W,16W); a passkey probe (a line
+Metrics on the held-out files: the loss by position (each evaluation sequence is EOS and the first T-1 tokens of one
+held-out file, as files start in the training stream), in buckets [0,W), [W,4W), [4W,16W); beyond 2W, the same loss
+when the model sees at most the last 2W tokens (what the older context is worth to it); a passkey probe (a line
 `passkey = "k3x9q"`, held-out code, then `assert passkey == "`: is the value the greedy continuation?) at distances
-W/2 .. 16W; training tokens/s (median over logging intervals, the first excluded) and peak memory.
+W/2 .. 16W; training tokens/s (median over timed intervals, the first excluded) and peak memory.
 
     python scripts/bench_lm.py --models hybrid --train-seconds 330      # steps picked from a time budget
     python scripts/bench_lm.py --models swa,full --steps 1500           # the same steps for the others
@@ -446,12 +447,14 @@ def binned_curve(losses: np.ndarray, num_bins: int = 40) -> list[tuple[float, fl
     ]
 
 
-def evaluation_sequences(validation: list[np.ndarray], context: int, limit: int) -> torch.Tensor:
-    """The first `context` tokens of each held-out file that has that many (at most `limit` files)."""
-    long_files = [ids[:context] for ids in validation if ids.size >= context][:limit]
+def evaluation_sequences(validation: list[np.ndarray], context: int, limit: int, eos_token_id: int) -> torch.Tensor:
+    """EOS, then the first `context - 1` tokens of each held-out file that has that many (at most `limit` files): a
+    file as it starts in the training stream, where every file follows an EOS. [S, context]"""
+    long_files = [ids[: context - 1] for ids in validation if ids.size >= context - 1][:limit]
     if not long_files:
-        raise SystemExit(f"error: no held-out file has {context} tokens; lower --context or add files")
-    return torch.from_numpy(np.stack(long_files).astype(np.int64))
+        raise SystemExit(f"error: no held-out file has {context - 1} tokens; lower the context or add files")
+    files = torch.from_numpy(np.stack(long_files).astype(np.int64))
+    return torch.cat([torch.full((len(files), 1), eos_token_id), files], dim=1)
 
 
 @dataclass
@@ -543,7 +546,7 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
     model.eval()
     # Evaluation shapes vary (probe lengths): SDPA computes the same attention without a compilation per shape.
     model.set_attn_implementation("sdpa")
-    sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences)
+    sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences, data.tokenizer.eos_token_id)
     losses = loss_by_position(model, sequences, args.eval_batch_size)
     result = {
         "evaluation_sequences": len(sequences),
@@ -585,6 +588,18 @@ def print_table(results: list[dict]) -> None:
                f"{tok_s:,}" if tok_s else "-", f"{ev['mean_loss']:.3f}",
                *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets), *(f"{ev['passkey'][p]:.2f}" for p in passkeys)]
         print("| " + " | ".join(row) + " |")
+    with_gain = [r for r in results if "context_beyond_2W" in r["eval"]]
+    if with_gain:
+        print("\nloss with the whole file before each position / with at most its last 2W tokens (gain: the older part)")
+        buckets = list(with_gain[0]["eval"]["context_beyond_2W"])
+        print("| model | " + " | ".join(buckets) + " |")
+        print("|" + "---|" * (len(buckets) + 1))
+        for r in with_gain:
+            cells = [
+                f"{g['whole_file']:.4f} / {g['last_2W']:.4f} (gain {g['gain']:+.4f})"
+                for g in r["eval"]["context_beyond_2W"].values()
+            ]
+            print(f"| {r['model']} | " + " | ".join(cells) + " |")
 
 
 def _count(n: int) -> str:
@@ -592,22 +607,34 @@ def _count(n: int) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Loss against position (log x, the window marked) and, below, each model's loss minus the first model's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, (ax, delta) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 2])
+    reference = results[0]
+    _, reference_loss = zip(*reference["eval"]["loss_curve"])
     for r in results:
         x, y = zip(*r["eval"]["loss_curve"])
         ax.plot(x, y, label=f"{r['model']} ({_count(r['parameters'])})")
-    window = results[0]["shape"]["window"]
-    ax.axvline(window, color="grey", linestyle="--", linewidth=1)
+        delta.plot(x, np.subtract(y, reference_loss))
+    window = reference["shape"]["window"]
+    # The first few positions (hardly any context) lie far above the rest: keep the scale for the rest.
+    settled = [(x, y, y - y0) for r in results for (x, y), y0 in zip(r["eval"]["loss_curve"], reference_loss) if x >= 16]
+    _, losses, differences = zip(*settled)
+    ax.set_ylim(min(losses) - 0.1, max(losses) + 0.3)
+    delta.set_ylim(min(differences) - 0.05, max(differences) + 0.05)
+    for axis in (ax, delta):
+        axis.axvline(window, color="grey", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
     ax.text(window, ax.get_ylim()[1], " window W", va="top", color="grey")
     ax.set_xscale("log")
-    ax.set_xlabel("position in a held-out file (tokens)")
     ax.set_ylabel("next-token loss (nats)")
-    corpus = results[0]["corpus"]
+    delta.set_ylabel(f"minus {reference['model']}'s")
+    delta.set_xlabel("position in the evaluation sequence (tokens)")
+    corpus = reference["corpus"]
     ax.set_title(f"Held-out Python sources ({corpus['validation_files']} files, list {corpus['list_sha256'][:10]})")
     ax.legend()
     fig.tight_layout()
