@@ -1,0 +1,247 @@
+"""scripts/bench_lm.py: the corpus, the evaluation functions against naive references, and the whole pipeline (--smoke)."""
+
+import json
+import sysconfig
+from pathlib import Path
+from types import SimpleNamespace
+
+import bench_lm
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from configuration import HybridConfig
+from modeling import HybridForCausalLM
+
+
+def tiny_model(use_ssm_branch: bool, num_hidden_layers: int = 1, window: int = 8) -> HybridForCausalLM:
+    torch.manual_seed(0)
+    config = HybridConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
+        use_ssm_branch=use_ssm_branch, ssm_dt_min=0.01, ssm_dt_max=0.1,
+    )
+    model = HybridForCausalLM(config).eval()
+    if use_ssm_branch:
+        # A live branch: out_proj starts at zero and the rest small, which would hide the history it carries.
+        for layer in model.model.layers:
+            for weight in (layer.self_attn.ssm.in_proj.weight, layer.self_attn.ssm.x_proj.weight,
+                           layer.self_attn.ssm.out_proj.weight):
+                torch.nn.init.normal_(weight, std=0.3)
+    return model
+
+
+def write(path: Path, content: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content)
+    return path
+
+
+def source(i: int) -> bytes:
+    """A small Python file, the same size for every i."""
+    return f"def function_{i:03}(x):\n    return x * {i:03} + {i * i:05}\n\n".encode() * 8
+
+
+def test_corpus_is_deterministic_deduplicated_and_split_by_file(tmp_path):
+    root = tmp_path / "root"
+    for i in range(40):
+        write(root / f"pkg{i % 3}" / f"m{i}.py", source(i))
+    write(root / "pkg0" / "copy_of_m1.py", source(1))  # same content as pkg1/m1.py
+    write(root / "latin1.py", "x = 'caf\xe9'\n".encode("latin-1") * 40)  # not UTF-8
+    write(root / "tiny.py", b"x = 1\n")  # under the size floor
+    write(root / "huge.py", b"# " + b"y" * 5000 + b"\n")  # over the cap given below
+    write(root / "__pycache__" / "cached.py", source(99))
+    write(root / "notes.txt", source(98))
+    (root / "link.py").symlink_to(root / "pkg0" / "m0.py")
+
+    def collect():
+        return bench_lm.collect_corpus([("lib", root)], min_file_bytes=64, max_file_bytes=4096,
+                                       validation_fraction=0.25)
+
+    corpus = collect()
+    texts = corpus.train + corpus.validation
+    assert sorted(texts) == sorted(source(i).decode() for i in range(40))  # one copy of m1, nothing skipped wrongly
+    assert corpus.validation and corpus.train and not set(corpus.train) & set(corpus.validation)
+    assert corpus.stats["skipped"] == {"duplicate": 1, "not_utf8": 1}
+    assert (corpus.stats["train_files"], corpus.stats["validation_files"]) == (len(corpus.train), len(corpus.validation))
+    assert corpus.stats["train_bytes"] == sum(len(t) for t in corpus.train)
+
+    again = collect()
+    assert again.stats["list_sha256"] == corpus.stats["list_sha256"] and again.train == corpus.train
+
+    # A new file leaves every other file on its side of the split; changed content changes the list's hash.
+    write(root / "pkg2" / "new.py", source(41))
+    grown = collect()
+    assert set(corpus.validation) <= set(grown.validation) and set(corpus.train) <= set(grown.train)
+    write(root / "pkg0" / "m0.py", source(0) + b"# edited\n")
+    assert collect().stats["list_sha256"] != grown.stats["list_sha256"]
+
+
+def test_corpus_budget_takes_a_spread_sample(tmp_path):
+    root = tmp_path / "root"
+    for i in range(30):
+        write(root / f"m{i:02}.py", source(i))
+    size = len(source(0))
+    corpus = bench_lm.collect_corpus([("lib", root)], max_total_bytes=10 * size + size // 2, validation_fraction=0)
+    assert len(corpus.train) == 10
+    names = sorted(int(t.split("function_")[1].split("(")[0]) for t in corpus.train)
+    assert names != list(range(10))  # not simply the first files of the walk
+
+
+def test_each_file_is_walked_once_and_the_stdlib_without_its_site_packages(tmp_path):
+    stdlib, packages = tmp_path / "lib", tmp_path / "lib" / "venv-packages"
+    write(stdlib / "os_like.py", source(1))
+    write(stdlib / "site-packages" / "base_interpreter_package.py", source(2))
+    write(packages / "torch_like.py", source(3))
+    corpus = bench_lm.collect_corpus([("stdlib", stdlib), ("site", packages)], validation_fraction=0)
+    assert sorted(corpus.train) == [source(1).decode(), source(3).decode()]
+    assert corpus.stats["skipped"]["duplicate"] == 0  # the nested root was not walked twice
+
+    roots = dict(bench_lm.python_source_roots())
+    assert roots["stdlib"] == Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert roots["site"] == Path(sysconfig.get_paths()["purelib"]).resolve()
+
+
+def test_loss_by_position_matches_the_models_loss_and_a_naive_loop():
+    model = tiny_model(use_ssm_branch=True)
+    sequences = torch.randint(0, 97, (5, 33), generator=torch.Generator().manual_seed(1))
+    losses = bench_lm.loss_by_position(model, sequences, batch_size=2)
+    assert losses.shape == (32,)
+    with torch.no_grad():
+        assert losses.mean() == pytest.approx(model(input_ids=sequences, labels=sequences).loss.item(), abs=1e-5)
+        for t in (0, 7, 31):
+            naive = np.mean([
+                F.cross_entropy(model(input_ids=sequences[s : s + 1, : t + 1]).logits[0, -1], sequences[s, t + 1]).item()
+                for s in range(5)
+            ])
+            assert losses[t] == pytest.approx(naive, abs=1e-5)
+
+
+def test_short_context_loss_sees_at_most_2w_tokens():
+    window = 8
+    sequences = torch.randint(0, 97, (3, 61), generator=torch.Generator().manual_seed(2))
+    hybrid = tiny_model(use_ssm_branch=True, window=window)
+    short = bench_lm.loss_with_short_context(hybrid, sequences, window, batch_size=2)
+    assert np.isnan(short[: 2 * window]).all() and not np.isnan(short[2 * window :]).any()
+    with torch.no_grad():
+        for t in (16, 23, 24, 40, 59):
+            first = (t // window - 1) * window  # the context starts at (k-1)W for kW <= t < (k+1)W
+            logits = hybrid(input_ids=sequences[:, first : t + 1]).logits[:, -1]
+            assert short[t] == pytest.approx(F.cross_entropy(logits, sequences[:, t + 1]).item(), abs=1e-5)
+    whole = bench_lm.loss_by_position(hybrid, sequences, batch_size=2)
+    assert np.abs(whole - short)[2 * window :].max() > 1e-3  # the SSM state carries what is older than 2W
+
+    # One sliding layer sees W tokens and no more: cutting the context to >= W tokens changes nothing.
+    swa = tiny_model(use_ssm_branch=False, window=window)
+    whole, short = (f(swa, sequences, *args) for f, args in ((bench_lm.loss_by_position, (2,)),
+                                                             (bench_lm.loss_with_short_context, (window, 2))))
+    np.testing.assert_allclose(short[2 * window :], whole[2 * window :], atol=1e-5)
+
+
+def test_context_gain_per_bucket():
+    shape = bench_lm.Shape(window=4, context=64)
+    whole = np.linspace(3.0, 2.0, 63)
+    short = whole + np.where(np.arange(63) >= 16, 0.5, 0.0)
+    short[:8] = np.nan
+    gains = bench_lm.context_gain(whole, short, shape)
+    assert list(gains) == ["[2W,4W)", "[4W,16W)"]
+    assert gains["[2W,4W)"]["whole_file"] == pytest.approx(whole[8:16].mean(), abs=1e-4)
+    assert gains["[2W,4W)"]["gain"] == pytest.approx(0.0, abs=1e-4)
+    assert gains["[4W,16W)"]["gain"] == pytest.approx(0.5, abs=1e-4)
+
+
+def test_evaluation_sequences_start_like_training_files():
+    files = [np.arange(3, 3 + n, dtype=np.uint16) for n in (5, 20, 9, 30)]
+    sequences = bench_lm.evaluation_sequences(files, context=10, limit=2, eos_token_id=0)
+    assert sequences.tolist() == [[0, *range(3, 12)], [0, *range(3, 12)]]
+
+
+@pytest.fixture(scope="module")
+def code_tokenizer_and_files():
+    texts = [path.read_text() for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:12]]
+    tokenizer = bench_lm.train_tokenizer(texts, vocab_size=400)
+    return tokenizer, bench_lm.encode_files(tokenizer, texts)
+
+
+class OracleModel(torch.nn.Module):
+    """Predicts, with certainty, the continuation recorded for each probe it knows (its answer shifted by `offset`)."""
+
+    def __init__(self, probes, vocab_size, offset=0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(pad_token_id=0)
+        self.continuations = {
+            tuple(p.input_ids): p.input_ids[1:] + [(p.answer[-1] + offset) % vocab_size] for p in probes
+        }
+        self.vocab_size = vocab_size
+
+    def forward(self, input_ids, attention_mask):
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        for row in range(len(input_ids)):
+            start = int((attention_mask[row] == 0).sum())
+            continuation = self.continuations[tuple(input_ids[row, start:].tolist())]
+            logits[row, start:] = F.one_hot(torch.tensor(continuation), self.vocab_size).float()
+        return SimpleNamespace(logits=logits)
+
+
+def test_passkey_probes_and_their_scoring(code_tokenizer_and_files):
+    tokenizer, files = code_tokenizer_and_files
+    probes = bench_lm.passkey_probes(tokenizer, files, distance=100, count=12, seed=0)
+    question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
+    for probe in probes:
+        value = tokenizer.decode(probe.answer)
+        assert len(value) == 5 and set(value) <= set(bench_lm.PASSKEY_ALPHABET)
+        assignment = tokenizer.encode(f'passkey = "{value}"\n', add_special_tokens=False)
+        assert probe.input_ids[: len(assignment)] == assignment
+        filler = probe.input_ids[len(assignment) : -len(question) - len(probe.answer) + 1]
+        assert len(filler) == 100
+        assert probe.input_ids[len(assignment) + 100 :] == question + probe.answer[:-1]
+    assert len({tuple(p.answer) for p in probes}) > 10  # random values
+
+    vocab = len(tokenizer)
+    assert bench_lm.passkey_accuracy(OracleModel(probes, vocab), probes, batch_size=5) == 1.0
+    assert bench_lm.passkey_accuracy(OracleModel(probes, vocab, offset=1), probes, batch_size=5) == 0.0
+    half = OracleModel(probes[:6], vocab)
+    half.continuations.update(OracleModel(probes[6:], vocab, offset=1).continuations)
+    assert bench_lm.passkey_accuracy(half, probes, batch_size=4) == 0.5
+
+
+def test_bad_arguments_are_refused(capsys):
+    for argv, message in (
+        (["--models", "hybrid,bogus", "--steps", "3"], "bogus"),
+        (["--models", "swa"], "--steps or --train-seconds"),
+        (["--steps", "0"], "positive"),
+    ):
+        with pytest.raises(SystemExit) as error:
+            bench_lm.parse_args(argv)
+        assert error.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
+    torch.set_num_threads(1)
+    assert bench_lm.main(["--smoke", "--output-dir", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "loss" not in line]
+    assert rows[:3] == ["hybrid", "swa", "full"]
+
+    results = {m: json.loads((tmp_path / f"results-{m}.json").read_text()) for m in bench_lm.MODELS}
+    assert len({r["train"]["tokens"] for r in results.values()}) == 1  # the same tokens for each model
+    assert len({r["corpus"]["list_sha256"] for r in results.values()}) == 1
+    for model, result in results.items():
+        evaluation = result["eval"]
+        assert 0 < evaluation["mean_loss"] < np.log(result["shape"]["vocab_size"]) + 1
+        assert list(evaluation["loss_by_bucket"]) == ["[0,W)", "[W,4W)", "[4W,16W)"]
+        assert len(evaluation["passkey"]) == 5 and all(0 <= a <= 1 for a in evaluation["passkey"].values())
+        assert list(evaluation["context_beyond_2W"]) == ["[2W,4W)", "[4W,16W)"]
+        assert result["train"]["tokens_per_second"] > 0
+        assert (evaluation["ssm_memory"] is not None) == (model == "hybrid")
+    assert results["hybrid"]["parameters"] > results["swa"]["parameters"] == results["full"]["parameters"]
+    assert (tmp_path / "data" / "tokenizer" / "tokenizer.json").exists()
+
+    plot = tmp_path / "lm.png"
+    paths = [str(tmp_path / f"results-{m}.json") for m in bench_lm.MODELS]
+    assert bench_lm.main(["--report", *paths, "--plot", str(plot)]) == 0
+    report = capsys.readouterr().out.replace(f"plot: {plot}\n", "")
+    assert table.rstrip().endswith(report.rstrip())  # the run's own tables, again from its JSON
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
