@@ -61,7 +61,10 @@ from train import train  # noqa: E402
 
 
 MODELS = ("hybrid", "swa", "full")
-EOS = "<|endoftext|>"
+EOS = "<|endoftext|>"  # between files in the training stream
+# Padding has a token of its own: `nn.Embedding(padding_idx=...)` keeps the padding token's embedding at zero, which
+# would leave EOS, if it padded, untrained.
+PAD = "<|pad|>"
 PASSKEY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
@@ -196,12 +199,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS, eos_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=EOS, eos_token=EOS, pad_token=PAD)
 
 
 def encode_files(tokenizer, texts: list[str]) -> list[np.ndarray]:
@@ -231,12 +234,12 @@ def prepare_data(corpus: Corpus, vocab_size: int, tokenizer_bytes: int, cache_di
         return TokenizedCorpus(tokenizer, np.load(cache_dir / "train.npy", mmap_mode="r"), validation, stats)
 
     start = time.perf_counter()
-    sample, budget = [], tokenizer_bytes
+    sample, sample_bytes = [], 0
     for text in corpus.train:
-        if budget <= 0:
+        if sample_bytes >= tokenizer_bytes:
             break
         sample.append(text)
-        budget -= len(text)
+        sample_bytes += len(text.encode())
     tokenizer = train_tokenizer(sample, vocab_size)
     train_files = encode_files(tokenizer, corpus.train)
     eos = np.asarray([tokenizer.eos_token_id], dtype=np.uint16)
@@ -248,7 +251,7 @@ def prepare_data(corpus: Corpus, vocab_size: int, tokenizer_bytes: int, cache_di
         validation_tokens=int(sum(v.size for v in validation)),
         bytes_per_token=round(stats["train_bytes"] / train_tokens.size, 3),
         tokenizer_vocab_size=len(tokenizer),
-        tokenizer_trained_on_bytes=tokenizer_bytes - budget if budget > 0 else tokenizer_bytes,
+        tokenizer_trained_on_bytes=sample_bytes,
         prepare_seconds=round(time.perf_counter() - start, 1),
     )
     cache_dir.mkdir(parents=True, exist_ok=True)

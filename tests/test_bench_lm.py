@@ -237,7 +237,10 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
         assert result["train"]["tokens_per_second"] > 0
         assert (evaluation["ssm_memory"] is not None) == (model == "hybrid")
     assert results["hybrid"]["parameters"] > results["swa"]["parameters"] == results["full"]["parameters"]
-    assert (tmp_path / "data" / "tokenizer" / "tokenizer.json").exists()
+    tokenizer = bench_lm.PreTrainedTokenizerFast.from_pretrained(tmp_path / "data" / "tokenizer")
+    # EOS separates the files and must train: the padding token (whose embedding stays zero) is another one.
+    assert tokenizer.eos_token == bench_lm.EOS and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert {r["corpus"]["tokenizer_vocab_size"] for r in results.values()} == {len(tokenizer)}
 
     plot = tmp_path / "lm.png"
     paths = [str(tmp_path / f"results-{m}.json") for m in bench_lm.MODELS]
