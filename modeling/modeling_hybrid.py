@@ -300,9 +300,14 @@ class HybridPreTrainedModel(PreTrainedModel):
             A = torch.arange(1, module.state_size + 1, dtype=torch.float32, device=module.A_log.device)
             init.copy_(module.A_log, torch.log(A).expand(module.intermediate_size, -1))
             init.ones_(module.D)
-            # Mamba's conv init (PyTorch's default, as mamba_ssm and Transformers' Mamba): the std-0.02 normal of the
-            # other layers would leave u = silu(conv(xs)) ~ 1e-3 and the branch without a gradient to learn from.
+            # Mamba's init of the input side (PyTorch's default, as in mamba_ssm): uniform within 1/sqrt(fan_in), not
+            # the std-0.02 normal of the other projections. What the state gives back at a token is a product of
+            # in_proj, conv and x_proj (u, B and C): with any of them at 0.02 it starts near nothing (on the demo's
+            # model, 1e-5 of the skip term D * u with in_proj and x_proj at 0.02, 3e-3 with this init), and so does
+            # the gradient that teaches the branch to recall.
+            init.kaiming_uniform_(module.in_proj.weight, a=math.sqrt(5))
             init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
+            init.kaiming_uniform_(module.x_proj.weight, a=math.sqrt(5))
             if module.conv1d.bias is not None:
                 init.zeros_(module.conv1d.bias)
             dt_init_std = module.dt_rank**-0.5

@@ -281,9 +281,15 @@ def test_initialisation_follows_mamba():
     dt = F.softplus(ssm.dt_proj.bias)
     assert dt.min() >= 0.002 * 0.999 and dt.max() <= 0.05 * 1.001
     assert torch.count_nonzero(ssm.out_proj.weight) == 0
-    # The conv keeps PyTorch's default (Mamba's) init: uniform within 1/sqrt(K), not the 0.02 of the projections.
-    bound = 1 / math.sqrt(config.ssm_conv_kernel_size)
-    assert ssm.conv1d.weight.abs().max() <= bound and ssm.conv1d.weight.std() > 0.5 * bound
+    # The input side keeps PyTorch's default (Mamba's) init: uniform within 1/sqrt(fan_in), not the 0.02 of the
+    # other projections.
+    for weight, fan_in in (
+        (ssm.in_proj.weight, config.hidden_size),
+        (ssm.conv1d.weight, config.ssm_conv_kernel_size),
+        (ssm.x_proj.weight, config.ssm_intermediate_size),
+    ):
+        bound = 1 / math.sqrt(fan_in)
+        assert weight.abs().max() <= bound and weight.std() > 0.5 * bound
     assert torch.count_nonzero(ssm.conv1d.bias) == 0
     # Log-uniform: the median sits near the geometric mean of the range.
     assert abs(math.log(dt.median().item()) - math.log(math.sqrt(0.002 * 0.05))) < 0.8
