@@ -1,27 +1,66 @@
-"""scripts/train.py end to end on tiny runs: from scratch on the recall task, then fine-tuning on a text file."""
+"""The scripts on small runs: the recall task's layout, the demo's training (shortened), and train.py from scratch then
+fine-tuning on a text file."""
 
 import json
 
+import demo
+import pytest
 import torch
 import train
-from recall_task import RecallTask
+from recall_task import QUERY, RecallTask
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modeling import HybridForCausalLM
 
+DEMO_TEST_STEPS = 500
 
-def test_recall_task_puts_the_answer_beyond_the_attention_reach():
-    task = RecallTask()
+
+@pytest.mark.parametrize("num_pairs", [1, 4], ids=["one-pair", "four-pairs"])
+def test_recall_task_puts_every_answer_beyond_the_attention_reach(num_pairs):
+    task = RecallTask(num_pairs=num_pairs)
     tokenizer = task.build_tokenizer()
     config = train.small_recall_config(tokenizer)
     reach = config.num_hidden_layers * (config.sliding_window - 1)
+    assert task.min_distance > reach
+    query_id = tokenizer.convert_tokens_to_ids(QUERY)
     for example in task.sample_examples(tokenizer, 50, seed=3):
-        ids = example["input_ids"]
-        answer = ids[-1]
-        value_position = ids.index(answer)  # the pair's value: the only earlier occurrence of a value token
-        query_position = len(ids) - 2  # the logits at the key after "?" predict the answer
-        assert query_position - value_position > reach
-        assert example["labels"][:-1] == [-100] * (len(ids) - 1) and example["labels"][-1] == answer
+        ids, labels = example["input_ids"], example["labels"]
+        answers = [t for t, label in enumerate(labels) if label != -100]
+        assert len(answers) == num_pairs and all(labels[t] == ids[t] for t in answers)
+        asked = [ids[t - 1] for t in answers]
+        assert sorted(asked) == sorted(ids[1 : 2 * num_pairs : 2])  # every key of the pairs, once
+        for t in answers:
+            assert ids[t - 2] == query_id
+            key_position = ids.index(ids[t - 1])  # its pair: the first occurrence of the key
+            assert ids[key_position + 1] == ids[t]
+            # The logits at the asked key (t - 1) predict the answer; the pair's value lies beyond the reach.
+            assert (t - 1) - (key_position + 1) >= task.min_distance
+
+
+def test_served_questions_are_the_measured_answers():
+    """What the demo asks through the API (a sample up to each question's key) is what recall_accuracy scores."""
+    task = RecallTask(num_pairs=4)
+    tokenizer = task.build_tokenizer()
+    questions = task.sample_questions(torch.Generator().manual_seed(0))
+    (example,) = task.sample_examples(tokenizer, 1, seed=0)
+    words = tokenizer.convert_ids_to_tokens(example["input_ids"])
+    answers = [t for t, label in enumerate(example["labels"]) if label != -100]
+    assert questions == [(" ".join(words[1:t]), words[t]) for t in answers]
+
+
+@pytest.mark.parametrize("seed", [0, 1], ids=["seed0", "seed1"])
+def test_demo_training_recalls_beyond_the_window_where_the_control_guesses(tmp_path, seed):
+    """The demo's training, shortened: the hybrid learns the recall, the attention-only control stays at chance."""
+    task = RecallTask()
+    tokenizer = task.build_tokenizer()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the demo: the same run whatever the number of cores
+    try:
+        _, accuracies = demo.train_both(task, tokenizer, steps=DEMO_TEST_STEPS, seed=seed, output_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert accuracies["hybrid"] >= 0.9, accuracies
+    assert abs(accuracies["control"] - 1 / task.num_values) < 0.05, accuracies
 
 
 def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
