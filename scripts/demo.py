@@ -84,8 +84,9 @@ def serve_and_ask(task, tokenizer, vllm_dir: Path, log_path: Path, seed: int, nu
         words = prompt.split()
         pairs, asked = 2 * task.num_pairs, words.index(QUERY)
         shown.append(" ".join(words[:pairs]) + f" ... ({asked - pairs} filler) ... " + " ".join(words[asked:]))
-    width = max(map(len, shown)) + 2
-    print(f"\n{'prompt (pairs, filler, questions)':<{width}}{'expected':>9}{'served':>8}")
+    header = "prompt (pairs, filler, questions)"
+    width = max(map(len, [header, *shown])) + 2
+    print(f"\n{header:<{width}}{'expected':>9}{'served':>8}")
     for text, (_, expected), answer in zip(shown, questions, answers):
         print(f"{text:<{width}}{expected:>9}{answer:>8}")
     correct = sum(answer == expected for (_, expected), answer in zip(questions, answers))
