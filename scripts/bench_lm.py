@@ -343,6 +343,7 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
         learning_rate=args.lr,
         lr_scheduler_type="cosine",
         max_grad_norm=1.0,
+        weight_decay=0.0,
         bf16=torch.cuda.is_available(),
         data_collator=default_data_collator,
         callbacks=[timer],

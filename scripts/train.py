@@ -75,9 +75,10 @@ def train(
     output_dir: str,
     steps: int,
     batch_size: int = 32,
-    learning_rate: float = 1e-2,
+    learning_rate: float = 3e-3,
     lr_scheduler_type: str = "cosine",
     max_grad_norm: float = 1.0,
+    weight_decay: float = 0.1,
     bf16: bool = False,
     gradient_checkpointing: bool = False,
     description: str = "",
@@ -85,7 +86,12 @@ def train(
     callbacks=None,
     **training_arguments,
 ) -> Trainer:
-    """Trains `model` in place with `Trainer` (AdamW, a short warmup, then `lr_scheduler_type`; progress bar).
+    """Trains `model` in place with `Trainer` (AdamW, 10 % warmup, then `lr_scheduler_type`; progress bar).
+
+    The defaults learn the recall task on every seed. Measured there: at lr 1e-2 with neither weight decay nor
+    clipping, the SSM branch's chain of products (in_proj, conv, x_proj, dt_proj) grew until dt at filler tokens
+    reached 10-90 (init <= 0.1) and the branch put out 1e2-1e7 times what the attention does, within the first 200
+    steps; on some seeds that came before the recall was learned, and training stalled.
 
     `examples`: a list of examples or a `Dataset`; `data_collator` batches them (default: left padding with
     `attention_mask`). `training_arguments` override the `TrainingArguments` set here (e.g. `weight_decay`, `optim`).
@@ -95,9 +101,9 @@ def train(
         max_steps=steps,
         per_device_train_batch_size=batch_size,
         learning_rate=learning_rate,
-        weight_decay=0.0,
+        weight_decay=weight_decay,
         lr_scheduler_type=lr_scheduler_type,
-        warmup_steps=max(1, steps // 50),
+        warmup_steps=max(1, steps // 10),
         max_grad_norm=max_grad_norm,
         logging_steps=max(1, steps // 10),
         save_strategy="no",
@@ -130,9 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lr-scheduler", default="cosine", help="any Trainer lr_scheduler_type")
-    parser.add_argument("--max-grad-norm", type=float, default=0.0, help="gradient clipping (0: none)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-ssm", action="store_true", help="switch the SSM branch off (attention-only control)")
@@ -176,6 +183,7 @@ def main(argv=None):
         args.lr,
         args.lr_scheduler,
         args.max_grad_norm,
+        args.weight_decay,
         args.bf16,
         args.gradient_checkpointing,
     )
