@@ -30,6 +30,7 @@ Each model's results go to `OUTPUT_DIR/results-MODEL.json`; the corpus, tokenize
 import argparse
 import datetime
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -85,12 +86,20 @@ class Shape:
 
 
 SMOKE_SHAPE = Shape(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, window=16, context=128, batch_size=4,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    window=16,
+    context=128,
+    batch_size=4,
 )
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Corpus
 
 
@@ -136,8 +145,11 @@ def collect_corpus(
             current = Path(directory)
             # The standard library's folder holds the base interpreter's site-packages: walked as its own root, or not.
             subdirs[:] = sorted(
-                d for d in subdirs
-                if d != "__pycache__" and not (current / d).is_symlink() and (current / d) not in root_dirs
+                d
+                for d in subdirs
+                if d != "__pycache__"
+                and not (current / d).is_symlink()
+                and (current / d) not in root_dirs
                 and not (label == "stdlib" and d in ("site-packages", "dist-packages"))
             )
             for name in sorted(files):
@@ -186,7 +198,7 @@ def collect_corpus(
     return corpus
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Tokenizer and token arrays
 
 
@@ -276,7 +288,7 @@ class PackedSequences(Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Models
 
 
@@ -307,7 +319,7 @@ def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, se
     return model.cuda() if torch.cuda.is_available() else model
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Training
 
 
@@ -325,7 +337,7 @@ class StepTimer(TrainerCallback):
             self.marks.append(time.perf_counter())
 
     def interval_seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in itertools.pairwise(self.marks)]
 
 
 def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, output_dir: Path) -> dict:
@@ -361,7 +373,9 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
         "steps": steps,
         "tokens": steps * tokens_per_step,
         "epochs": round(steps * shape.batch_size / len(dataset), 3),
-        "tokens_per_second": round(timer.every * tokens_per_step / statistics.median(intervals)) if intervals else None,
+        "tokens_per_second": round(timer.every * tokens_per_step / statistics.median(intervals))
+        if intervals
+        else None,
         "timed_intervals": len(intervals),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None,
         "loss_log": [(e["step"], round(e["loss"], 4)) for e in trainer.state.log_history if "loss" in e],
@@ -377,12 +391,16 @@ def probe_seconds_per_step(kind: str, data: TokenizedCorpus, shape: Shape, args)
     return shape.batch_size * shape.context / training["tokens_per_second"]
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Evaluation
 
 
 def autocast():
-    return torch.autocast("cuda", dtype=torch.bfloat16) if torch.cuda.is_available() else torch.autocast("cpu", enabled=False)
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if torch.cuda.is_available()
+        else torch.autocast("cpu", enabled=False)
+    )
 
 
 @torch.no_grad()
@@ -418,7 +436,7 @@ def loss_with_short_context(model, sequences: torch.Tensor, window: int, batch_s
 def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
     edges = [0, window, 4 * window, 16 * window]
     buckets = {}
-    for low, high in zip(edges, edges[1:]):
+    for low, high in itertools.pairwise(edges):
         if low < context - 1:
             name = f"[{_in_windows(low, window)},{_in_windows(high, window)})"
             buckets[name] = (low, min(high, context - 1))
@@ -434,7 +452,9 @@ def context_gain(losses: np.ndarray, short_context_losses: np.ndarray, shape: Sh
         if low < high:
             whole, short = float(losses[low:high].mean()), float(short_context_losses[low:high].mean())
             gains[f"[{_in_windows(low, shape.window)},{name.split(',')[1]}"] = {
-                "whole_file": round(whole, 4), "last_2W": round(short, 4), "gain": round(short - whole, 4)
+                "whole_file": round(whole, 4),
+                "last_2W": round(short, 4),
+                "gain": round(short - whole, 4),
             }
     return gains
 
@@ -447,7 +467,8 @@ def binned_curve(losses: np.ndarray, num_bins: int = 40) -> list[tuple[float, fl
     """(geometric centre, mean loss) of log-spaced position bins, for the plot."""
     edges = np.unique(np.geomspace(1, losses.size + 1, num_bins).astype(int))
     return [
-        (float(math.sqrt(low * high)), float(losses[low - 1 : high - 1].mean())) for low, high in zip(edges, edges[1:])
+        (float(math.sqrt(low * high)), float(losses[low - 1 : high - 1].mean()))
+        for low, high in itertools.pairwise(edges)
     ]
 
 
@@ -467,7 +488,9 @@ class PasskeyProbe:
     answer: list[int]
 
 
-def passkey_probes(tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int) -> list[PasskeyProbe]:
+def passkey_probes(
+    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+) -> list[PasskeyProbe]:
     """`count` probes: `passkey = "<5 random characters>"`, then `distance` tokens of held-out code (cut from the
     held-out files joined by blank lines, starting after a newline), then `assert passkey == "`."""
     generator = np.random.default_rng(seed + distance)
@@ -538,7 +561,9 @@ def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] 
         memory = (1.0 / (captured[i] * slowest_rate)).flatten(0, 1).median(0).values  # [E], tokens
         stats.append(
             {
-                "memory_tokens_p10_p50_p90": [round(float(q), 1) for q in memory.quantile(torch.tensor([0.1, 0.5, 0.9], device=memory.device))],
+                "memory_tokens_p10_p50_p90": [
+                    round(float(q), 1) for q in memory.quantile(torch.tensor([0.1, 0.5, 0.9], device=memory.device))
+                ],
                 "channels_beyond_window": round(float((memory > window).float().mean()), 3),
                 "out_proj_norm": round(float(ssm.out_proj.weight.float().norm()), 3),
             }
@@ -574,27 +599,42 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 # Report
 
 
 def print_table(results: list[dict]) -> None:
     buckets = list(results[0]["eval"]["loss_by_bucket"])
     passkeys = list(results[0]["eval"]["passkey"])
-    header = ["model", "params", "tokens", "tok/s", "mean loss", *(f"loss {b}" for b in buckets),
-              *(f"passkey {p}" for p in passkeys)]
+    header = [
+        "model",
+        "params",
+        "tokens",
+        "tok/s",
+        "mean loss",
+        *(f"loss {b}" for b in buckets),
+        *(f"passkey {p}" for p in passkeys),
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in results:
         ev = r["eval"]
         tok_s = r["train"]["tokens_per_second"]
-        row = [r["model"], _count(r["parameters"]), _count(r["train"]["tokens"]),
-               f"{tok_s:,}" if tok_s else "-", f"{ev['mean_loss']:.3f}",
-               *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets), *(f"{ev['passkey'][p]:.2f}" for p in passkeys)]
+        row = [
+            r["model"],
+            _count(r["parameters"]),
+            _count(r["train"]["tokens"]),
+            f"{tok_s:,}" if tok_s else "-",
+            f"{ev['mean_loss']:.3f}",
+            *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets),
+            *(f"{ev['passkey'][p]:.2f}" for p in passkeys),
+        ]
         print("| " + " | ".join(row) + " |")
     with_gain = [r for r in results if "context_beyond_2W" in r["eval"]]
     if with_gain:
-        print("\nloss with the whole file before each position / with at most its last 2W tokens (gain: the older part)")
+        print(
+            "\nloss with the whole file before each position / with at most its last 2W tokens (gain: the older part)"
+        )
         buckets = list(with_gain[0]["eval"]["context_beyond_2W"])
         print("| model | " + " | ".join(buckets) + " |")
         print("|" + "---|" * (len(buckets) + 1))
@@ -626,7 +666,9 @@ def plot(results: list[dict], path: Path) -> None:
         delta.plot(x, np.subtract(y, reference_loss))
     window = reference["shape"]["window"]
     # The first few positions (hardly any context) lie far above the rest: keep the scale for the rest.
-    settled = [(x, y, y - y0) for r in results for (x, y), y0 in zip(r["eval"]["loss_curve"], reference_loss) if x >= 16]
+    settled = [
+        (x, y, y - y0) for r in results for (x, y), y0 in zip(r["eval"]["loss_curve"], reference_loss) if x >= 16
+    ]
     _, losses, differences = zip(*settled)
     ax.set_ylim(min(losses) - 0.1, max(losses) + 0.3)
     delta.set_ylim(min(differences) - 0.05, max(differences) + 0.05)
@@ -645,7 +687,7 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=130)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
 
 
 def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
@@ -674,8 +716,13 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -689,8 +736,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/bench_lm"))
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--attn", help="attention implementation for training (default: flex_attention on CUDA, "
-                        "sdpa on CPU); evaluation always runs SDPA")
+    parser.add_argument(
+        "--attn",
+        help="attention implementation for training (default: flex_attention on CUDA, "
+        "sdpa on CPU); evaluation always runs SDPA",
+    )
     parser.add_argument("--corpus-bytes", type=int, help="cap on the corpus size (a hash-spread sample of the files)")
     parser.add_argument("--validation-fraction", type=float, default=0.02, help="share of the files held out")
     parser.add_argument("--tokenizer-bytes", type=int, default=64 << 20, help="training text for the tokenizer")

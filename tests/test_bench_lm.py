@@ -1,4 +1,4 @@
-"""scripts/bench_lm.py: the corpus, the evaluation functions against naive references, and the whole pipeline (--smoke)."""
+"""scripts/bench_lm.py: the corpus, the evaluation functions against naive references, the pipeline (--smoke)."""
 
 import json
 import sysconfig
@@ -18,16 +18,27 @@ from modeling import HybridForCausalLM
 def tiny_model(use_ssm_branch: bool, num_hidden_layers: int = 1, window: int = 8) -> HybridForCausalLM:
     torch.manual_seed(0)
     config = HybridConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
-        use_ssm_branch=use_ssm_branch, ssm_dt_min=0.01, ssm_dt_max=0.1,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=window,
+        use_ssm_branch=use_ssm_branch,
+        ssm_dt_min=0.01,
+        ssm_dt_max=0.1,
     )
     model = HybridForCausalLM(config).eval()
     if use_ssm_branch:
         # A live branch: out_proj starts at zero and the rest small, which would hide the history it carries.
         for layer in model.model.layers:
-            for weight in (layer.self_attn.ssm.in_proj.weight, layer.self_attn.ssm.x_proj.weight,
-                           layer.self_attn.ssm.out_proj.weight):
+            for weight in (
+                layer.self_attn.ssm.in_proj.weight,
+                layer.self_attn.ssm.x_proj.weight,
+                layer.self_attn.ssm.out_proj.weight,
+            ):
                 torch.nn.init.normal_(weight, std=0.3)
     return model
 
@@ -56,15 +67,19 @@ def test_corpus_is_deterministic_deduplicated_and_split_by_file(tmp_path):
     (root / "link.py").symlink_to(root / "pkg0" / "m0.py")
 
     def collect():
-        return bench_lm.collect_corpus([("lib", root)], min_file_bytes=64, max_file_bytes=4096,
-                                       validation_fraction=0.25)
+        return bench_lm.collect_corpus(
+            [("lib", root)], min_file_bytes=64, max_file_bytes=4096, validation_fraction=0.25
+        )
 
     corpus = collect()
     texts = corpus.train + corpus.validation
     assert sorted(texts) == sorted(source(i).decode() for i in range(40))  # one copy of m1, nothing skipped wrongly
     assert corpus.validation and corpus.train and not set(corpus.train) & set(corpus.validation)
     assert corpus.stats["skipped"] == {"duplicate": 1, "not_utf8": 1}
-    assert (corpus.stats["train_files"], corpus.stats["validation_files"]) == (len(corpus.train), len(corpus.validation))
+    assert (corpus.stats["train_files"], corpus.stats["validation_files"]) == (
+        len(corpus.train),
+        len(corpus.validation),
+    )
     assert corpus.stats["train_bytes"] == sum(len(t) for t in corpus.train)
 
     again = collect()
@@ -111,10 +126,14 @@ def test_loss_by_position_matches_the_models_loss_and_a_naive_loop():
     with torch.no_grad():
         assert losses.mean() == pytest.approx(model(input_ids=sequences, labels=sequences).loss.item(), abs=1e-5)
         for t in (0, 7, 31):
-            naive = np.mean([
-                F.cross_entropy(model(input_ids=sequences[s : s + 1, : t + 1]).logits[0, -1], sequences[s, t + 1]).item()
-                for s in range(5)
-            ])
+            naive = np.mean(
+                [
+                    F.cross_entropy(
+                        model(input_ids=sequences[s : s + 1, : t + 1]).logits[0, -1], sequences[s, t + 1]
+                    ).item()
+                    for s in range(5)
+                ]
+            )
             assert losses[t] == pytest.approx(naive, abs=1e-5)
 
 
@@ -134,8 +153,10 @@ def test_short_context_loss_sees_at_most_2w_tokens():
 
     # One sliding layer sees W tokens and no more: cutting the context to >= W tokens changes nothing.
     swa = tiny_model(use_ssm_branch=False, window=window)
-    whole, short = (f(swa, sequences, *args) for f, args in ((bench_lm.loss_by_position, (2,)),
-                                                             (bench_lm.loss_with_short_context, (window, 2))))
+    whole, short = (
+        f(swa, sequences, *args)
+        for f, args in ((bench_lm.loss_by_position, (2,)), (bench_lm.loss_with_short_context, (window, 2)))
+    )
     np.testing.assert_allclose(short[2 * window :], whole[2 * window :], atol=1e-5)
 
 

@@ -224,10 +224,15 @@ def test_vllm_serve_openai_completions(checkpoints, tmp_path):
         "--block-size",
         "16",
     ]
+    # The first of a few seeded prompts whose greedy continuation has no near tie (a tie may flip in vLLM's sums).
+    candidates = (random_prompts([70], model.config.vocab_size, seed=seed)[0] for seed in range(2, 12))
+    prompt, expected = next(
+        (prompt, tokens)
+        for prompt in candidates
+        for tokens, _, gaps in [hf_greedy(model, prompt)]
+        if min(gaps) > FP32_TIE
+    )
     with running_server(vllm_dir, tmp_path / "serve.log", *server_args) as base:
-        prompt = random_prompts([70], model.config.vocab_size, seed=2)[0]
-        expected, _, gaps = hf_greedy(model, prompt)
-        assert min(gaps) > FP32_TIE, "the served prompt must have no near tie"
         request = {
             "model": str(vllm_dir),
             "prompt": prompt,
