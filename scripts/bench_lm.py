@@ -35,7 +35,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 import time
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
+from provenance import head_commit  # noqa: E402
 from train import train  # noqa: E402
 
 
@@ -708,23 +708,10 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         "corpus": data.stats,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "commit": args.commit or _git_commit(),
+        "commit": args.commit or head_commit(),
         "date": datetime.date.today().isoformat(),
         "command": " ".join(sys.argv),
     }
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

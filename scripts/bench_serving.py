@@ -48,6 +48,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from provenance import head_commit  # noqa: E402
+
 MODELS = ("hybrid", "hybrid-v2", "swa", "llama")
 HYBRIDS = ("hybrid", "hybrid-v2")
 LABELS = {
@@ -506,11 +508,7 @@ def run(args) -> dict:
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "date": time.strftime("%Y-%m-%d"),
-        # The device tool's copy of .git can lag behind the tree it sends: pass --commit there.
-        "commit": args.commit
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip(),
+        "commit": args.commit or head_commit(),
         "settings": {k: v for k, v in spec.items() if k != "prefix"} | {"max_model_len": max_model_len},
         "cudagraph_modes": {},
         "model_runners": {},
