@@ -237,8 +237,9 @@ def prepare_data(corpus: Corpus, vocab_size: int, tokenizer_bytes: int, cache_di
     them from `cache_dir` when they were made from the same file list and settings."""
     key = {"list_sha256": corpus.stats["list_sha256"], "vocab_size": vocab_size, "tokenizer_bytes": tokenizer_bytes}
     meta_path = cache_dir / "corpus.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()).get("key") == key:
-        stats = json.loads(meta_path.read_text())["stats"]
+    cached = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if cached.get("key") == key:
+        stats = cached["stats"]
         tokenizer = PreTrainedTokenizerFast.from_pretrained(cache_dir / "tokenizer")
         validation = np.load(cache_dir / "validation.npz")
         lengths = validation["lengths"].tolist()
