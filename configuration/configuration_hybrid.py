@@ -48,7 +48,10 @@ class HybridConfig(PreTrainedConfig):
         rope_parameters (`RopeParameters` or `dict`, *optional*):
             RoPE parameters in Transformers' format (`rope_theta`, `rope_type`, ...); defaults to theta 10000.
         attention_bias (`bool`, *optional*, defaults to `False`):
-            Whether q/k/v/o projections have a bias.
+            Whether the q/k/v and o projections have a bias (Llama's convention).
+        qkv_bias (`bool`, *optional*, defaults to `False`):
+            Whether the q/k/v projections have a bias while `o_proj` has none (Qwen2's convention); implied by
+            `attention_bias`.
         attention_dropout (`float`, *optional*, defaults to 0.0):
             Dropout on the attention probabilities during training.
         sliding_window (`int`, *optional*, defaults to 4096):
@@ -107,6 +110,7 @@ class HybridConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
+    qkv_bias: bool = False
     attention_dropout: float = 0.0
     sliding_window: int | None = 4096
     layer_types: list[str] | None = None
@@ -160,6 +164,7 @@ class HybridConfig(PreTrainedConfig):
             "use_cache",
             "tie_word_embeddings",
             "attention_bias",
+            "qkv_bias",
             "ssm_conv_bias",
             "use_ssm_branch",
             "use_ssm_kernels",

@@ -37,6 +37,7 @@ INVALID_FIELDS = [
     ("use_ssm_branch", 1),
     ("use_ssm_kernels", "auto"),
     ("tie_word_embeddings", None),
+    ("qkv_bias", "true"),
 ]
 
 

@@ -68,7 +68,7 @@ class HybridAttention(nn.Module):
             self.head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=config.attention_bias,
+            bias=config.attention_bias or config.qkv_bias,
             prefix=f"{prefix}.qkv_proj",
         )
         self.o_proj = RowParallelLinear(
