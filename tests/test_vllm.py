@@ -251,3 +251,44 @@ def test_vllm_serve_openai_completions(checkpoints, tmp_path):
         assert status == 400, body
         status, body = post_json(base + "/v1/completions", request)
         assert status == 200 and body["choices"][0]["token_ids"] == expected
+
+
+def test_an_upcycled_qwen2_converts_and_follows_transformers(tmp_path):
+    """A Qwen2 checkpoint (q/k/v biases without an o bias, tied embeddings) through scripts/upcycle.py, its branch
+    then given weights as training would (random out_proj: the fresh branch adds nothing), converted and served:
+    Transformers' tokens and logprobs on prompts beyond the window."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import upcycle
+
+    tokenizer = RecallTask().build_tokenizer()
+    torch.manual_seed(3)
+    source = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    )
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.5)
+    source.save_pretrained(tmp_path / "qwen2")
+    tokenizer.save_pretrained(tmp_path / "qwen2")
+    assert upcycle.main([str(tmp_path / "qwen2"), str(tmp_path / "upcycled"), "--sliding-window", str(WINDOW)]) == 0
+    model = randomize_(HybridForCausalLM.from_pretrained(tmp_path / "upcycled"))
+    assert model.model.layers[0].self_attn.q_proj.bias.abs().max() > 0.1
+    model.save_pretrained(tmp_path / "trained")
+    tokenizer.save_pretrained(tmp_path / "trained")
+    assert convert_to_vllm.main([str(tmp_path / "trained"), str(tmp_path / "vllm"), "--dtype", "float32"]) == 0
+
+    prompts = random_prompts([5, 40, 6 * WINDOW, 1], model.config.vocab_size, seed=8)
+    result = run_vllm(tmp_path / "vllm", prompts)
+    assert_follows_hf(model, prompts, result["outputs"])
