@@ -1,11 +1,21 @@
-"""Train a hybrid model from a config, or fine-tune a checkpoint, with Transformers' `Trainer`.
+"""Train a hybrid model from a config, fine-tune a checkpoint, or distil a teacher into it, with Transformers'
+`Trainer`.
 
-Data: a text file (with `--tokenizer`), or the built-in synthetic recall task (`--task recall`, the default), whose
-word-level tokenizer is built locally. Writes a `save_pretrained` checkpoint with its tokenizer to `--output-dir`.
+Data: a text file (with `--tokenizer`), or the built-in synthetic recall task (the default), whose word-level
+tokenizer is built locally. Writes a `save_pretrained` checkpoint with its tokenizer to `--output-dir`.
 
     python scripts/train.py --output-dir outputs/recall                      # tiny model, recall task
     python scripts/train.py --config my_config.json --text-file corpus.txt --tokenizer TOKENIZER_DIR --output-dir out
     python scripts/train.py --model outputs/recall --steps 200 --output-dir outputs/recall-ft   # fine-tune
+
+Distillation (`--teacher`): the loss is `T^2 KL(teacher || student)` on the next-token distributions at temperature
+`--temperature`, plus `--lm-loss-weight` times the student's own LM loss; the teacher (any causal LM with the
+student's vocabulary, e.g. the attention checkpoint the student was upcycled from) runs in the same process, without
+gradients, on the same batches. `--train` picks what learns: `ssm` (the SSM branch only), `ssm+lora` (the SSM branch
+plus LoRA of rank `--lora-rank` on the attention and MLP projections, merged into the saved checkpoint) or `all`.
+
+    python scripts/train.py --model outputs/upcycled --teacher SOURCE_DIR --text-file corpus.txt --train ssm \
+        --bf16 --gradient-checkpointing --output-dir outputs/distilled
 """
 
 import argparse
@@ -13,8 +23,9 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
-from transformers import AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -68,6 +79,152 @@ def text_file_examples(path: str, tokenizer, block_size: int) -> list[dict]:
     ]
 
 
+TRAINING_MODES = ("all", "ssm", "ssm+lora")
+# Every linear layer of the attention and the MLP; the SSM branch's own projections (in_proj, x_proj, dt_proj,
+# out_proj) are trained in full instead. PEFT matches whole name components, so "o_proj" does not catch "out_proj".
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What the teacher is given of a batch: never the labels.
+TEACHER_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def is_ssm_parameter(name: str) -> bool:
+    """Whether a parameter belongs to the SSM history branch (with or without PEFT's `base_model.model.` prefix)."""
+    return ".self_attn.ssm." in name
+
+
+def prepare_trainable(
+    model: HybridForCausalLM, mode: str = "all", lora_rank: int = 16, lora_alpha: int | None = None
+) -> torch.nn.Module:
+    """Sets what trains and returns the model to train (a PEFT wrapper in mode "ssm+lora"; `merge_lora` undoes it).
+
+    "ssm": the SSM branch only, everything else frozen. "ssm+lora": the SSM branch in full plus LoRA adapters (rank
+    `lora_rank`, alpha `lora_alpha`, default twice the rank) on `LORA_TARGET_MODULES`, the rest frozen. "all": every
+    parameter.
+    """
+    if mode not in TRAINING_MODES:
+        raise ValueError(f"training mode {mode!r} is not one of {TRAINING_MODES}")
+    if mode == "all":
+        return model.requires_grad_(True)
+    if not model.config.use_ssm_branch:
+        raise ValueError(
+            f"training mode {mode!r} trains the SSM branch, and this model has none (use_ssm_branch=False)"
+        )
+    if mode == "ssm+lora":
+        from peft import LoraConfig, get_peft_model  # only here: the GPU machine has no peft
+
+        lora = LoraConfig(
+            r=lora_rank, lora_alpha=lora_alpha or 2 * lora_rank, lora_dropout=0.0, target_modules=LORA_TARGET_MODULES
+        )
+        model = get_peft_model(model, lora)  # freezes every base parameter
+    else:
+        model.requires_grad_(False)
+    for name, param in model.named_parameters():
+        if is_ssm_parameter(name):
+            param.requires_grad_(True)
+    return model
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain model of a `prepare_trainable` result: LoRA merged into the base weights, so that `save_pretrained`
+    writes the tensor names of a normal checkpoint. Anything else is returned as is."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
+def check_same_vocabulary(student: torch.nn.Module, teacher: torch.nn.Module) -> None:
+    student_vocab, teacher_vocab = student.config.vocab_size, teacher.config.vocab_size
+    if student_vocab != teacher_vocab:
+        raise ValueError(
+            f"the teacher's vocabulary ({type(teacher).__name__}, vocab_size={teacher_vocab}) differs from the "
+            f"student's ({type(student).__name__}, vocab_size={student_vocab}): the KL compares the same tokens"
+        )
+
+
+def distillation_kl(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """`T^2 KL(softmax(teacher / T) || softmax(student / T))`, summed over the vocabulary, in fp32, averaged over the
+    positions the LM loss scores: position t counts where `labels[:, t + 1] != -100`.
+
+    logits: [B, T, V]; labels: [B, T]. `num_items_in_batch` (what Trainer counts over the whole gradient-accumulation
+    step) replaces this batch's count of positions as the divisor, as in Transformers' LM loss; `T^2` keeps the
+    gradients' scale independent of the temperature (Hinton et al. 2015).
+    """
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"the student's logits {tuple(student_logits.shape)} and the teacher's {tuple(teacher_logits.shape)} "
+            "differ in shape: the KL needs the same vocabulary on both sides"
+        )
+    scored = labels[:, 1:] != -100  # [B, T-1]
+    student_log_probs = F.log_softmax(student_logits[:, :-1][scored].float() / temperature, dim=-1)  # [M, V]
+    teacher_log_probs = F.log_softmax(teacher_logits[:, :-1][scored].float() / temperature, dim=-1)  # [M, V]
+    kl = F.kl_div(student_log_probs, teacher_log_probs, reduction="sum", log_target=True)
+    count = scored.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=kl.device)
+    return temperature**2 * kl / count.clamp(min=1)
+
+
+class DistillationTrainer(Trainer):
+    """`Trainer` whose loss is `distillation_kl(student, teacher)` plus `lm_loss_weight` times the student's LM loss.
+
+    The teacher runs on each training batch under `no_grad` (in the autocast of `--bf16`, as the student does) and is
+    given `TEACHER_INPUTS` of it; it is not part of the trained model, so neither the optimizer nor the checkpoints
+    see it. The two parts are logged as `distill_kl` and `lm_loss` beside `loss`.
+    """
+
+    def __init__(self, *args, teacher: PreTrainedModel, temperature: float = 1.0, lm_loss_weight: float = 0.0, **kw):
+        super().__init__(*args, **kw)
+        check_same_vocabulary(self.model, teacher)
+        if temperature <= 0:
+            raise ValueError(f"the distillation temperature must be positive, not {temperature}")
+        self.teacher = teacher.to(self.args.device).eval().requires_grad_(False)
+        self.temperature = temperature
+        self.lm_loss_weight = lm_loss_weight
+        self._loss_parts: dict[str, torch.Tensor] = {}
+        self._loss_parts_logged_step = 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        student_inputs = dict(inputs)
+        if self.lm_loss_weight > 0:
+            if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+                student_inputs["num_items_in_batch"] = num_items_in_batch
+        else:
+            del student_inputs["labels"]
+        outputs = model(**student_inputs)
+        with torch.no_grad(), self.accelerator.autocast():
+            teacher_inputs = {k: inputs[k] for k in TEACHER_INPUTS if k in inputs}
+            teacher_logits = self.teacher(**teacher_inputs, use_cache=False).logits
+        parts = {
+            "distill_kl": distillation_kl(outputs.logits, teacher_logits, labels, self.temperature, num_items_in_batch)
+        }
+        loss = parts["distill_kl"]
+        if self.lm_loss_weight > 0:
+            parts["lm_loss"] = outputs.loss
+            loss = loss + self.lm_loss_weight * outputs.loss
+        if (
+            self.args.average_tokens_across_devices
+            and self.model_accepts_loss_kwargs
+            and num_items_in_batch is not None
+        ):
+            # As Trainer.compute_loss: num_items_in_batch counts every process's tokens, and DDP averages gradients.
+            loss = loss * self.accelerator.num_processes
+        if model.training:
+            for name, value in parts.items():
+                self._loss_parts[name] = self._loss_parts.get(name, 0) + value.detach()
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        steps = self.state.global_step - self._loss_parts_logged_step
+        if "loss" in logs and self._loss_parts and steps > 0:
+            # Per optimizer step, as `loss` (each micro-batch's part is already divided by the step's token count).
+            logs.update({name: total.item() / steps for name, total in self._loss_parts.items()})
+            self._loss_parts, self._loss_parts_logged_step = {}, self.state.global_step
+        super().log(logs, *args, **kwargs)
+
+
 def train(
     model: HybridForCausalLM,
     tokenizer,
@@ -84,9 +241,15 @@ def train(
     description: str = "",
     data_collator=None,
     callbacks=None,
+    *,
+    teacher: PreTrainedModel | None = None,
+    temperature: float = 1.0,
+    lm_loss_weight: float = 0.0,
     **training_arguments,
 ) -> Trainer:
-    """Trains `model` in place with `Trainer` (AdamW, 10 % warmup, then `lr_scheduler_type`; progress bar).
+    """Trains `model` in place with `Trainer` (AdamW, 10 % warmup, then `lr_scheduler_type`; progress bar), or with
+    a `DistillationTrainer` when a `teacher` is given (`temperature`, `lm_loss_weight`: its loss). Only the parameters
+    that require grad train (`prepare_trainable`).
 
     The defaults learn the recall task on every seed. Measured there: at lr 1e-2 with neither weight decay nor
     clipping, the SSM branch's chain of products (in_proj, conv, x_proj, dt_proj) grew until dt at filler tokens
@@ -114,12 +277,17 @@ def train(
         dataloader_drop_last=True,
         run_name=description or None,
     )
-    trainer = Trainer(
+    trainer_class, distillation = Trainer, {}
+    if teacher is not None:
+        trainer_class = DistillationTrainer
+        distillation = {"teacher": teacher, "temperature": temperature, "lm_loss_weight": lm_loss_weight}
+    trainer = trainer_class(
         model=model,
         args=TrainingArguments(**(defaults | training_arguments)),
         train_dataset=ExampleDataset(examples) if isinstance(examples, list) else examples,
         data_collator=data_collator or (lambda batch: collate_left_padded(batch, tokenizer.pad_token_id)),
         callbacks=callbacks,
+        **distillation,
     )
     trainer.train()
     return trainer
@@ -143,12 +311,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--no-ssm", action="store_true", help="switch the SSM branch off (attention-only control)")
+    parser.add_argument("--train", choices=TRAINING_MODES, default="all", help="what trains (default: everything)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of --train ssm+lora")
+    parser.add_argument("--lora-alpha", type=int, help="LoRA alpha of --train ssm+lora (default: twice the rank)")
+    parser.add_argument("--teacher", help="causal LM checkpoint to distil into the --model (same vocabulary)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
+    parser.add_argument("--lm-loss-weight", type=float, default=0.0, help="weight of the LM loss beside the KL")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.teacher and not args.model:
+        raise SystemExit("error: --teacher needs --model, the student to distil into (e.g. from scripts/upcycle.py)")
     torch.manual_seed(args.seed)
     task = None
     if args.text_file:
@@ -163,7 +339,8 @@ def main(argv=None):
         examples = task.sample_examples(tokenizer, args.steps * args.batch_size, seed=args.seed)
 
     if args.model:
-        model = HybridForCausalLM.from_pretrained(args.model)
+        # fp32 weights whatever the checkpoint's dtype: --bf16 is mixed precision over them.
+        model = HybridForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     elif args.config:
         config = HybridConfig.from_json_file(args.config)
         config.use_ssm_branch = config.use_ssm_branch and not args.no_ssm
@@ -172,9 +349,14 @@ def main(argv=None):
         model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=not args.no_ssm))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    teacher = None
+    if args.teacher:
+        teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.bfloat16 if args.bf16 else "auto")
+        check_same_vocabulary(model, teacher)
+    trained = prepare_trainable(model, args.train, args.lora_rank, args.lora_alpha)
 
     train(
-        model,
+        trained,
         tokenizer,
         examples,
         args.output_dir,
@@ -186,7 +368,11 @@ def main(argv=None):
         args.weight_decay,
         args.bf16,
         args.gradient_checkpointing,
+        teacher=teacher,
+        temperature=args.temperature,
+        lm_loss_weight=args.lm_loss_weight,
     )
+    model = merge_lora(trained)
     model.save_pretrained(args.output_dir)
     tokenizer.save_pretrained(args.output_dir)
     if task is not None:
