@@ -12,6 +12,12 @@ Transformers' `Trainer` through `scripts/train.py`):
   swa     the same with `use_ssm_branch=False`
   full    Transformers' own LlamaForCausalLM of the same shape (full causal attention)
 
+and, starting from a trained `full` (its run saves it to `OUTPUT_DIR/full/checkpoint`; or `--teacher DIR`), what a user
+with an attention checkpoint gets (scripts/upcycle.py, then scripts/train.py's distillation):
+  upcycled       `full` upcycled with the window W, not trained: the sliding-window model of its weights
+  distilled      `upcycled` distilled from `full` (KL on the logits; `--distill-mode`, `--distill-lr`)
+  distilled-swa  the control: the same without the SSM branch, fine-tuned the same way on the same tokens
+
 Metrics on the held-out files: the loss by position (each evaluation sequence is EOS and the first T-1 tokens of one
 held-out file, as files start in the training stream), in buckets [0,W), [W,4W), [4W,16W); beyond 2W, the same loss
 when the model sees at most the last 2W tokens (what the older context is worth to it); a passkey probe (a line
@@ -20,6 +26,7 @@ W/2 .. 16W; training tokens/s (median over timed intervals, the first excluded) 
 
     python scripts/bench_lm.py --models hybrid --train-seconds 330      # steps picked from a time budget
     python scripts/bench_lm.py --models swa,full --steps 1500           # the same steps for the others
+    python scripts/bench_lm.py --models upcycled,distilled,distilled-swa --steps 1500   # after `full`
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
 
@@ -46,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
 from transformers import (
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
@@ -55,13 +63,16 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from checkpoint_io import load_tensors  # noqa: E402
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from provenance import head_commit  # noqa: E402
-from train import train  # noqa: E402
+from train import TRAINING_MODES, prepare_trainable, train  # noqa: E402
+from upcycle import upcycle  # noqa: E402
 
 
-MODELS = ("hybrid", "swa", "full")
+MODELS = ("hybrid", "swa", "full", "upcycled", "distilled", "distilled-swa")
+FROM_TEACHER = ("upcycled", "distilled", "distilled-swa")  # built from a trained `full`
 EOS = "<|endoftext|>"  # between files in the training stream
 # Padding has a token of its own: `nn.Embedding(padding_idx=...)` keeps the padding token's embedding at zero, which
 # would leave EOS, if it padded, untrained.
@@ -320,6 +331,32 @@ def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, se
     return model.cuda() if torch.cuda.is_available() else model
 
 
+def teacher_dir(args) -> Path:
+    return args.teacher or args.output_dir / "full" / "checkpoint"
+
+
+def build_from_teacher(kind: str, shape: Shape, args) -> torch.nn.Module:
+    """The `full` checkpoint upcycled with the window (scripts/upcycle.py, fp32), with its SSM branch (`upcycled`,
+    `distilled`) or without (`distilled-swa`), on the GPU if any."""
+    upcycled_dir = args.output_dir / "upcycled" / "checkpoint"
+    upcycle(teacher_dir(args), upcycled_dir, sliding_window=shape.window, dtype_name="float32", force=True)
+    if kind == "distilled-swa":  # the same tensors less the branch, strictly
+        model = HybridForCausalLM(HybridConfig.from_pretrained(upcycled_dir, use_ssm_branch=False))
+        tensors = load_tensors(upcycled_dir)
+        model.load_state_dict({name: t for name, t in tensors.items() if ".self_attn.ssm." not in name})
+    else:
+        model = HybridForCausalLM.from_pretrained(upcycled_dir)
+    model.set_attn_implementation(args.attn)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def load_teacher(args) -> torch.nn.Module:
+    """The distillation teacher in bf16 on the GPU (fp32 on CPU), with SDPA: it only runs forward."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir(args), dtype=dtype, attn_implementation="sdpa")
+    return teacher.cuda() if torch.cuda.is_available() else teacher
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -341,8 +378,9 @@ class StepTimer(TrainerCallback):
         return [b - a for a, b in itertools.pairwise(self.marks)]
 
 
-def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, output_dir: Path) -> dict:
-    """Trains `model` in place for `steps` steps; returns the throughput, memory and loss log."""
+def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, output_dir: Path, teacher=None) -> dict:
+    """Trains `model` in place for `steps` steps (distilled from `teacher` if given, at `--distill-lr`); returns the
+    throughput, memory and loss log."""
     timer = StepTimer(every=max(1, min(25, steps // 8)))
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -353,7 +391,7 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
         str(output_dir / "trainer"),
         steps,
         batch_size=shape.batch_size,
-        learning_rate=args.lr,
+        learning_rate=args.lr if teacher is None else args.distill_lr,
         lr_scheduler_type="cosine",
         max_grad_norm=1.0,
         weight_decay=0.0,
@@ -367,6 +405,7 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
         data_seed=args.seed,
         logging_steps=max(1, steps // 40),
         disable_tqdm=True,
+        teacher=teacher,
     )
     intervals = timer.interval_seconds()
     tokens_per_step = shape.batch_size * shape.context
@@ -383,12 +422,22 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
     }
 
 
+def model_to_train(kind: str, data: TokenizedCorpus, shape: Shape, args) -> tuple[torch.nn.Module, dict]:
+    """The model of `kind` before training, and what `train_model` needs beside it (the teacher, for distillation)."""
+    if kind not in FROM_TEACHER:
+        return build_model(kind, shape, data.tokenizer, args.attn, args.seed), {}
+    model = build_from_teacher(kind, shape, args)
+    if kind == "upcycled":
+        return model, {}
+    return prepare_trainable(model, args.distill_mode), {"teacher": load_teacher(args)}
+
+
 def probe_seconds_per_step(kind: str, data: TokenizedCorpus, shape: Shape, args) -> float:
     """Trains a throwaway copy of the model for a few steps, which compiles what its training needs (the real run then
     starts warm), and returns the median seconds per step."""
-    model = build_model(kind, shape, data.tokenizer, args.attn, args.seed)
+    model, extra = model_to_train(kind, data, shape, args)
     dataset = PackedSequences(data.train, shape.context)
-    training = train_model(model, data.tokenizer, dataset, shape, 12, args, args.output_dir / kind / "probe")
+    training = train_model(model, data.tokenizer, dataset, shape, 12, args, args.output_dir / kind / "probe", **extra)
     return shape.batch_size * shape.context / training["tokens_per_second"]
 
 
@@ -645,6 +694,27 @@ def print_table(results: list[dict]) -> None:
                 for g in r["eval"]["context_beyond_2W"].values()
             ]
             print(f"| {r['model']} | " + " | ".join(cells) + " |")
+    print_gap_recovered(results)
+
+
+def print_gap_recovered(results: list[dict]) -> None:
+    """Per position bucket, the share of the gap between `upcycled` (its teacher's weights with the window) and its
+    teacher `full` that each distilled model closes: 0 is the upcycled model's loss, 1 the teacher's."""
+    by_model = {r["model"]: r["eval"]["loss_by_bucket"] for r in results}
+    students = [m for m in ("distilled", "distilled-swa") if m in by_model]
+    if not ({"full", "upcycled"} <= set(by_model) and students):
+        return
+    teacher, start = by_model["full"], by_model["upcycled"]
+    print("\nshare of the gap upcycled -> full (teacher) that distillation closes, by position bucket")
+    print("| bucket | full | upcycled | " + " | ".join(students) + " |")
+    print("|" + "---|" * (3 + len(students)))
+    for bucket in teacher:
+        gap = start[bucket] - teacher[bucket]
+        cells = [
+            f"{by_model[m][bucket]:.3f}" + (f" ({(start[bucket] - by_model[m][bucket]) / gap:.0%})" if gap > 0 else "")
+            for m in students
+        ]
+        print(f"| {bucket} | {teacher[bucket]:.3f} | {start[bucket]:.3f} | " + " | ".join(cells) + " |")
 
 
 def _count(n: int) -> str:
@@ -693,10 +763,21 @@ def plot(results: list[dict], path: Path) -> None:
 
 def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
     dataset = PackedSequences(data.train, shape.context)
-    model = build_model(kind, shape, data.tokenizer, args.attn, args.seed)
+    model, extra = model_to_train(kind, data, shape, args)
+    if kind == "upcycled":
+        steps = 0
     print(f"\n== {kind}: {model.num_parameters():,} parameters, {steps} steps of {shape.batch_size} x {shape.context}")
-    training = train_model(model, data.tokenizer, dataset, shape, steps, args, args.output_dir / kind)
-    print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s; evaluating")
+    if steps:
+        training = train_model(model, data.tokenizer, dataset, shape, steps, args, args.output_dir / kind, **extra)
+        print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s; evaluating")
+    else:
+        training = {"steps": 0, "tokens": 0, "tokens_per_second": None, "peak_memory_gib": None, "loss_log": []}
+    if kind == "full":  # the teacher of the upcycled models
+        model.save_pretrained(teacher_dir(args))
+        data.tokenizer.save_pretrained(teacher_dir(args))
+    distillation = {}
+    if extra:
+        distillation = {"teacher": str(teacher_dir(args)), "mode": args.distill_mode, "learning_rate": args.distill_lr}
     return {
         "model": kind,
         "parameters": model.num_parameters(),
@@ -704,6 +785,7 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         "attn_implementation": args.attn,
         "learning_rate": args.lr,
         "seed": args.seed,
+        "distillation": distillation,
         "train": training,
         "eval": evaluate(model, data, shape, args),
         "corpus": data.stats,
@@ -723,6 +805,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     budget.add_argument("--train-seconds", type=float, help="pick the steps that fit this budget for the first model")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/bench_lm"))
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--teacher", type=Path, help="the trained `full` checkpoint (default: OUTPUT_DIR/full/checkpoint)"
+    )
+    parser.add_argument("--distill-lr", type=float, default=3e-4, help="peak learning rate of the distillations")
+    parser.add_argument(
+        "--distill-mode", default="all", help=f"what the distillations train: {', '.join(TRAINING_MODES)}"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--attn",
@@ -756,6 +845,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_sequences, args.passkey_probes = 16, 16
     elif args.steps is None and args.train_seconds is None:
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
+    if args.distill_mode not in TRAINING_MODES:
+        parser.error(f"--distill-mode takes {', '.join(TRAINING_MODES)}; got {args.distill_mode}")
+    if "distilled-swa" in args.models and args.distill_mode != "all":
+        parser.error("distilled-swa (no SSM branch) trains with --distill-mode all only")
+    from_teacher = [i for i, kind in enumerate(args.models) if kind in FROM_TEACHER]
+    full_first = "full" in args.models and args.models.index("full") < min(from_teacher, default=0)
+    if from_teacher and not full_first and not (teacher_dir(args) / "config.json").exists():
+        parser.error(
+            f"{args.models[from_teacher[0]]} starts from a trained full: put full before it in --models, or run it "
+            f"first, or give --teacher (no checkpoint at {teacher_dir(args)})"
+        )
     args.attn = args.attn or ("flex_attention" if torch.cuda.is_available() else "sdpa")
     return args
 
@@ -783,17 +883,21 @@ def main(argv=None) -> int:
         f"{data.stats['list_sha256'][:16]} ({time.perf_counter() - start:.0f} s)"
     )
 
-    # The first model's probe compiles and times its training, and checks that the attention implementation trains.
-    try:
-        seconds_per_step = probe_seconds_per_step(args.models[0], data, shape, args)
-    except Exception as error:  # any failure of the compiled attention: fall back to the one that always trains
-        if args.attn == "sdpa":
-            raise
-        print(f"warning: training with {args.attn} failed ({type(error).__name__}: {error}); using sdpa")
-        args.attn = "sdpa"
-        seconds_per_step = probe_seconds_per_step(args.models[0], data, shape, args)
-    steps = args.steps or max(1, int(args.train_seconds / seconds_per_step))
-    print(f"{args.models[0]}: {seconds_per_step * 1e3:.0f} ms per step ({args.attn}): {steps} steps")
+    # The first trained model's probe compiles and times its training, and checks that the attention implementation
+    # trains.
+    trained = [kind for kind in args.models if kind != "upcycled"]
+    steps = args.steps
+    if trained:
+        try:
+            seconds_per_step = probe_seconds_per_step(trained[0], data, shape, args)
+        except Exception as error:  # any failure of the compiled attention: fall back to the one that always trains
+            if args.attn == "sdpa":
+                raise
+            print(f"warning: training with {args.attn} failed ({type(error).__name__}: {error}); using sdpa")
+            args.attn = "sdpa"
+            seconds_per_step = probe_seconds_per_step(trained[0], data, shape, args)
+        steps = args.steps or max(1, int(args.train_seconds / seconds_per_step))
+        print(f"{trained[0]}: {seconds_per_step * 1e3:.0f} ms per step ({args.attn}): {steps} steps")
 
     results = []
     for kind in args.models:

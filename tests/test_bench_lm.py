@@ -246,7 +246,7 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "loss" not in line]
     assert rows[:3] == ["hybrid", "swa", "full"]
 
-    results = {m: json.loads((tmp_path / f"results-{m}.json").read_text()) for m in bench_lm.MODELS}
+    results = {m: json.loads((tmp_path / f"results-{m}.json").read_text()) for m in ("hybrid", "swa", "full")}
     assert len({r["train"]["tokens"] for r in results.values()}) == 1  # the same tokens for each model
     assert len({r["corpus"]["list_sha256"] for r in results.values()}) == 1
     for model, result in results.items():
@@ -264,8 +264,35 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
     assert {r["corpus"]["tokenizer_vocab_size"] for r in results.values()} == {len(tokenizer)}
 
     plot = tmp_path / "lm.png"
-    paths = [str(tmp_path / f"results-{m}.json") for m in bench_lm.MODELS]
+    paths = [str(tmp_path / f"results-{m}.json") for m in results]
     assert bench_lm.main(["--report", *paths, "--plot", str(plot)]) == 0
     report = capsys.readouterr().out.replace(f"plot: {plot}\n", "")
     assert table.rstrip().endswith(report.rstrip())  # the run's own tables, again from its JSON
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_upcycles_the_trained_full_model_and_distils_it(tmp_path, capsys):
+    """`full`, then what starts from it: the upcycled model computes `full`'s function inside the window (its loss
+    there is the teacher's), and both distillations train from it with the teacher's KL as their loss."""
+    torch.set_num_threads(1)
+    models = ["full", "upcycled", "distilled", "distilled-swa"]
+    assert bench_lm.main(["--smoke", "--output-dir", str(tmp_path), "--models", ",".join(models)]) == 0
+    results = {m: json.loads((tmp_path / f"results-{m}.json").read_text()) for m in models}
+    full, upcycled = results["full"]["eval"], results["upcycled"]["eval"]
+    window = results["full"]["shape"]["window"]
+    inside = [(x, y) for x, y in full["loss_curve"] if x < window]
+    assert inside and inside == [(x, y) for x, y in upcycled["loss_curve"] if x < window]
+    assert upcycled["loss_by_bucket"]["[0,W)"] == full["loss_by_bucket"]["[0,W)"]
+    assert results["upcycled"]["train"]["steps"] == 0
+    for student in ("distilled", "distilled-swa"):
+        assert results[student]["distillation"]["teacher"] == str(tmp_path / "full" / "checkpoint")
+        assert results[student]["train"]["tokens"] == results["full"]["train"]["tokens"]
+    assert results["distilled"]["parameters"] == results["upcycled"]["parameters"]
+    assert results["distilled-swa"]["parameters"] == results["full"]["parameters"]
+    assert "share of the gap upcycled -> full" in capsys.readouterr().out
+
+
+def test_models_from_the_teacher_need_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as error:
+        bench_lm.parse_args(["--models", "distilled", "--steps", "3", "--output-dir", str(tmp_path)])
+    assert error.value.code == 2 and "starts from a trained full" in capsys.readouterr().err
