@@ -653,6 +653,12 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
 # Report
 
 
+def label(result: dict) -> str:
+    """The model's name in tables and plots; a distillation that does not train everything says what it trained."""
+    mode = result.get("distillation", {}).get("mode", "all")
+    return result["model"] + (f" ({mode})" if mode != "all" else "")
+
+
 def print_table(results: list[dict]) -> None:
     buckets = list(results[0]["eval"]["loss_by_bucket"])
     passkeys = list(results[0]["eval"]["passkey"])
@@ -671,7 +677,7 @@ def print_table(results: list[dict]) -> None:
         ev = r["eval"]
         tok_s = r["train"]["tokens_per_second"]
         row = [
-            r["model"],
+            label(r),
             _count(r["parameters"]),
             _count(r["train"]["tokens"]),
             f"{tok_s:,}" if tok_s else "-",
@@ -693,15 +699,15 @@ def print_table(results: list[dict]) -> None:
                 f"{g['whole_file']:.4f} / {g['last_2W']:.4f} (gain {g['gain']:+.4f})"
                 for g in r["eval"]["context_beyond_2W"].values()
             ]
-            print(f"| {r['model']} | " + " | ".join(cells) + " |")
+            print(f"| {label(r)} | " + " | ".join(cells) + " |")
     print_gap_recovered(results)
 
 
 def print_gap_recovered(results: list[dict]) -> None:
     """Per position bucket, the share of the gap between `upcycled` (its teacher's weights with the window) and its
     teacher `full` that each distilled model closes: 0 is the upcycled model's loss, 1 the teacher's."""
-    by_model = {r["model"]: r["eval"]["loss_by_bucket"] for r in results}
-    students = [m for m in ("distilled", "distilled-swa") if m in by_model]
+    by_model = {label(r): r["eval"]["loss_by_bucket"] for r in results}
+    students = [label(r) for r in results if r["model"] in ("distilled", "distilled-swa")]
     if not ({"full", "upcycled"} <= set(by_model) and students):
         return
     teacher, start = by_model["full"], by_model["upcycled"]
@@ -733,7 +739,7 @@ def plot(results: list[dict], path: Path) -> None:
     _, reference_loss = zip(*reference["eval"]["loss_curve"])
     for r in results:
         x, y = zip(*r["eval"]["loss_curve"])
-        ax.plot(x, y, label=f"{r['model']} ({_count(r['parameters'])})")
+        ax.plot(x, y, label=f"{label(r)} ({_count(r['parameters'])})")
         delta.plot(x, np.subtract(y, reference_loss))
     window = reference["shape"]["window"]
     # The first few positions (hardly any context) lie far above the rest: keep the scale for the rest.
@@ -749,7 +755,7 @@ def plot(results: list[dict], path: Path) -> None:
     ax.text(window, ax.get_ylim()[1], " window W", va="top", color="grey")
     ax.set_xscale("log")
     ax.set_ylabel("next-token loss (nats)")
-    delta.set_ylabel(f"minus {reference['model']}'s")
+    delta.set_ylabel(f"minus {label(reference)}'s")
     delta.set_xlabel("position in the evaluation sequence (tokens)")
     corpus = reference["corpus"]
     ax.set_title(f"Held-out Python sources ({corpus['validation_files']} files, list {corpus['list_sha256'][:10]})")
