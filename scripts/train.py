@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments
 
@@ -145,13 +146,16 @@ def distillation_kl(
     labels: torch.Tensor,
     temperature: float = 1.0,
     num_items_in_batch: torch.Tensor | int | None = None,
+    chunk_rows: int = 1024,
 ) -> torch.Tensor:
     """`T^2 KL(softmax(teacher / T) || softmax(student / T))`, summed over the vocabulary, in fp32, averaged over the
     positions the LM loss scores: position t counts where `labels[:, t + 1] != -100`.
 
     logits: [B, T, V]; labels: [B, T]. `num_items_in_batch` (what Trainer counts over the whole gradient-accumulation
     step) replaces this batch's count of positions as the divisor, as in Transformers' LM loss; `T^2` keeps the
-    gradients' scale independent of the temperature (Hinton et al. 2015).
+    gradients' scale independent of the temperature (Hinton et al. 2015). The fp32 log-probabilities exist for
+    `chunk_rows` positions at a time and are recomputed in the backward pass: at once, for 32k positions of a 150k
+    vocabulary, they would take ~80 GB.
     """
     if student_logits.shape != teacher_logits.shape:
         raise ValueError(
@@ -159,11 +163,20 @@ def distillation_kl(
             "differ in shape: the KL needs the same vocabulary on both sides"
         )
     scored = labels[:, 1:] != -100  # [B, T-1]
-    student_log_probs = F.log_softmax(student_logits[:, :-1][scored].float() / temperature, dim=-1)  # [M, V]
-    teacher_log_probs = F.log_softmax(teacher_logits[:, :-1][scored].float() / temperature, dim=-1)  # [M, V]
-    kl = F.kl_div(student_log_probs, teacher_log_probs, reduction="sum", log_target=True)
+    student_rows, teacher_rows = student_logits[:, :-1][scored], teacher_logits[:, :-1][scored]  # [M, V] each
+    kl = student_logits.new_zeros((), dtype=torch.float32)
+    for start in range(0, student_rows.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        kl = kl + checkpoint(_kl_sum, student_rows[rows], teacher_rows[rows], temperature, use_reentrant=False)
     count = scored.sum() if num_items_in_batch is None else torch.as_tensor(num_items_in_batch, device=kl.device)
     return temperature**2 * kl / count.clamp(min=1)
+
+
+def _kl_sum(student_rows: torch.Tensor, teacher_rows: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KL(softmax(teacher / T) || softmax(student / T)) of [M, V] rows, summed, in fp32."""
+    student_log_probs = F.log_softmax(student_rows.float() / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_rows.float() / temperature, dim=-1)
+    return F.kl_div(student_log_probs, teacher_log_probs, reduction="sum", log_target=True)
 
 
 class DistillationTrainer(Trainer):

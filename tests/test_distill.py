@@ -147,6 +147,22 @@ def test_the_kl_matches_a_naive_reference():
     kl = train.distillation_kl(student_logits, teacher_logits, labels, temperature)
     assert kl.dtype == torch.float32
     torch.testing.assert_close(kl.double(), reference.mean(), rtol=1e-5, atol=1e-7)
+    # In chunks of rows (the last one short), recomputed in backward: the same value and the same gradient.
+    student = student_logits.clone().requires_grad_(True)
+    reference_student = student_logits.double().requires_grad_(True)
+    train.distillation_kl(student, teacher_logits, labels, temperature, chunk_rows=4).backward()
+    reference_terms = [
+        F.kl_div(
+            F.log_softmax(reference_student[b, t] / temperature, dim=-1),
+            F.softmax(teacher_logits[b, t].double() / temperature, dim=-1),
+            reduction="sum",
+        )
+        for b in range(batch_size)
+        for t in range(length - 1)
+        if labels[b, t + 1] != -100
+    ]
+    (temperature**2 * torch.stack(reference_terms).mean()).backward()
+    torch.testing.assert_close(student.grad.double(), reference_student.grad, rtol=1e-5, atol=1e-7)
     # Under gradient accumulation Trainer passes the whole step's count: the sum is divided by it instead.
     kl = train.distillation_kl(student_logits.bfloat16(), teacher_logits.bfloat16(), labels, temperature, 40)
     assert kl.dtype == torch.float32
