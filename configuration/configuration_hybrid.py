@@ -7,9 +7,11 @@ import math
 
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
-from transformers.modeling_rope_utils import RopeParameters
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention")
+# "default" is computed by the rotary embedding itself; the others by Transformers' `ROPE_INIT_FUNCTIONS`.
+HYBRID_ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
 
 class HybridConfig(PreTrainedConfig):
@@ -46,7 +48,8 @@ class HybridConfig(PreTrainedConfig):
         tie_word_embeddings (`bool`, *optional*, defaults to `False`):
             Whether `lm_head` shares the input embedding matrix.
         rope_parameters (`RopeParameters` or `dict`, *optional*):
-            RoPE parameters in Transformers' format (`rope_theta`, `rope_type`, ...); defaults to theta 10000.
+            RoPE parameters in Transformers' format (`rope_theta`, `rope_type`, ...), one dict for every layer;
+            defaults to theta 10000. The attention rotates the whole head (no `partial_rotary_factor` below 1).
         attention_bias (`bool`, *optional*, defaults to `False`):
             Whether the q/k/v and o projections have a bias (Llama's convention).
         qkv_bias (`bool`, *optional*, defaults to `False`):
@@ -139,8 +142,22 @@ class HybridConfig(PreTrainedConfig):
             self.ssm_dt_rank = math.ceil(self.hidden_size / 16)
         if self.layer_types is None and _is_positive_int(self.num_hidden_layers):
             self.layer_types = ["sliding_attention"] * self.num_hidden_layers
+        # `rope_scaling` is the legacy name of `rope_parameters` (and wins, as in Transformers' standardisation).
+        self.rope_parameters = kwargs.pop("rope_scaling", None) or self.rope_parameters
+        # Checked before Transformers' RoPE standardisation reads `rope_parameters` and `layer_types`, and again
+        # after it (by `validate`), when a legacy top-level `rope_theta` has been moved in.
         self.validate_hybrid_fields()
         super().__post_init__(**kwargs)
+        self.validate()
+
+    def validate(self):
+        """The check Transformers runs before `save_pretrained` writes anything (and, for `@strict` configs, after
+        construction, as here): ours, then Transformers' own class validators (`validate_rope`, ...)."""
+        self.validate_hybrid_fields()
+        try:
+            super().validate()
+        except KeyError as error:  # `validate_rope`: a key the RoPE type needs is missing
+            raise ValueError(f"HybridConfig.rope_parameters: {error.args[0]}") from None
 
     def validate_hybrid_fields(self):
         """Raises a `ValueError` naming the first invalid field."""
@@ -173,10 +190,12 @@ class HybridConfig(PreTrainedConfig):
                 raise ValueError(f"HybridConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("rms_norm_eps", "ssm_dt_min", "ssm_dt_max", "ssm_dt_init_floor"):
             value = getattr(self, name)
-            if not _is_real(value) or not value > 0:
-                raise ValueError(f"HybridConfig.{name} must be a positive number, got {value!r}")
-        if not _is_real(self.initializer_range) or self.initializer_range < 0:
-            raise ValueError(f"HybridConfig.initializer_range must be >= 0, got {self.initializer_range!r}")
+            if not _is_finite(value) or not value > 0:
+                raise ValueError(f"HybridConfig.{name} must be a positive finite number, got {value!r}")
+        if not _is_finite(self.initializer_range) or self.initializer_range < 0:
+            raise ValueError(
+                f"HybridConfig.initializer_range must be a finite number >= 0, got {self.initializer_range!r}"
+            )
         if not _is_real(self.attention_dropout) or not 0 <= self.attention_dropout < 1:
             raise ValueError(f"HybridConfig.attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
         if self.hidden_act not in ACT2FN:
@@ -219,6 +238,55 @@ class HybridConfig(PreTrainedConfig):
             raise ValueError(
                 f"HybridConfig.sliding_window must be a positive integer or None, got {self.sliding_window!r}"
             )
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            if not ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
+                allowed = "None, an id or a non-empty list of ids" if name == "eos_token_id" else "None or an id"
+                raise ValueError(
+                    f"HybridConfig.{name} must be {allowed} in [0, vocab_size={self.vocab_size}), got {value!r}"
+                )
+        # RoPE, read as Transformers' standardisation reads it (`None` and a missing key mean the defaults). Its
+        # `validate_rope` (run by `validate`) checks the keys each type needs but only warns about the values.
+        for name in ("rope_type", "rope_theta"):  # a legacy top-level `rope_theta` is moved in by `__post_init__`
+            if name in vars(self):
+                raise ValueError(f"HybridConfig.{name} is not a field: the model reads rope_parameters['{name}']")
+        rope = self.rope_parameters if self.rope_parameters is not None else {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"HybridConfig.rope_parameters must be a dict or None, got {rope!r}")
+        if set(rope) & set(HYBRID_LAYER_TYPES):
+            raise ValueError(
+                f"HybridConfig.rope_parameters must be one dict for every layer, not one per layer type, got {rope!r}"
+            )
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in HYBRID_ROPE_TYPES:
+            raise ValueError(
+                f"HybridConfig.rope_parameters['rope_type'] must be one of {HYBRID_ROPE_TYPES}, got {rope_type!r}"
+            )
+        theta = rope.get("rope_theta", self.default_theta)
+        if not _is_finite(theta) or not theta > 0:
+            raise ValueError(
+                f"HybridConfig.rope_parameters['rope_theta'] must be a positive finite number, got {theta!r}"
+            )
+        for key, value in rope.items():
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            if any(_is_real(x) and not _is_finite(x) for x in numbers):
+                raise ValueError(f"HybridConfig.rope_parameters['{key}'] must be finite numbers, got {value!r}")
+        if "factor" in rope and not (_is_finite(rope["factor"]) and rope["factor"] >= 1):
+            raise ValueError(f"HybridConfig.rope_parameters['factor'] must be a number >= 1, got {rope['factor']!r}")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(
+                "HybridConfig.rope_parameters['partial_rotary_factor'] must be 1 (the attention rotates the whole "
+                f"head), got {rope['partial_rotary_factor']!r}"
+            )
+        original = rope.get("original_max_position_embeddings")
+        if original is not None and not _is_positive_int(original):
+            raise ValueError(
+                "HybridConfig.rope_parameters['original_max_position_embeddings'] must be a positive integer, "
+                f"got {original!r}"
+            )
 
 
 def _is_int(value) -> bool:
@@ -231,6 +299,10 @@ def _is_positive_int(value) -> bool:
 
 def _is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return _is_int(value) or (_is_real(value) and math.isfinite(value))
 
 
 __all__ = ["HybridConfig"]

@@ -1,3 +1,6 @@
+import json
+import math
+
 import pytest
 from conftest import tiny_config
 
@@ -38,13 +41,108 @@ INVALID_FIELDS = [
     ("use_ssm_kernels", "auto"),
     ("tie_word_embeddings", None),
     ("qkv_bias", "true"),
+    ("rms_norm_eps", math.inf),
+    ("initializer_range", math.inf),
+    ("initializer_range", math.nan),
+    ("ssm_dt_max", math.inf),  # NaN logits
+    ("ssm_dt_init_floor", math.inf),
+    ("pad_token_id", 97),  # == vocab_size: nn.Embedding asserts at build time
+    ("pad_token_id", -1),
+    ("bos_token_id", 1.0),
+    ("eos_token_id", [2, 97]),
+    ("eos_token_id", []),
+    ("rope_theta", -5),  # the legacy top-level kwarg; NaN logits
+    ("rope_theta", 0.0),
+    ("rope_theta", math.inf),
+    ("rope_type", "default"),  # not a field: would be ignored silently
+    ("rope_parameters", "bogus"),
+    ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}),  # KeyError at build time
+    ("rope_parameters", {"rope_type": "default", "rope_theta": math.nan}),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": "10000"}),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0}),  # linear needs a factor
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": math.inf}),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 10000.0, "factor": 0.0}),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    ("rope_parameters", {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}),
 ]
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 50000.0,
+}
 
 
 @pytest.mark.parametrize("field,value", INVALID_FIELDS, ids=[f"{f}={v!r}" for f, v in INVALID_FIELDS])
 def test_invalid_field_raises_value_error_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
         tiny_config(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "rope_parameters,match",
+    [
+        ({"rope_type": "bogus", "rope_theta": 10000.0}, "rope_type"),
+        ({"rope_type": "default", "rope_theta": -5.0}, "rope_theta"),
+        ({"rope_type": "default", "rope_theta": math.inf}, "rope_theta"),
+    ],
+    ids=["rope_type", "rope_theta=-5", "rope_theta=inf"],
+)
+def test_invalid_rope_parameter_error_names_the_key(rope_parameters, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(rope_parameters=rope_parameters)
+
+
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [None, {"rope_type": "default", "rope_theta": 10000.0}, {"rope_theta": 5000.0}, LLAMA3_ROPE],
+    ids=["none", "default", "theta-only", "llama3"],
+)
+def test_rope_parameters_this_project_writes_load(tmp_path, rope_parameters):
+    """The forms in our checkpoints' config.json (`scripts/upcycle.py` carries Llama-3 RoPE over) keep loading."""
+    config = tiny_config(rope_parameters=None if rope_parameters is None else dict(rope_parameters))
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    loaded = HybridConfig.from_pretrained(tmp_path)
+    assert loaded.rope_parameters == config.rope_parameters
+    assert loaded.rope_parameters["rope_type"] == (rope_parameters or {}).get("rope_type", "default")
+
+
+def test_legacy_top_level_rope_theta_is_carried_into_rope_parameters():
+    assert tiny_config(rope_theta=5000.0).rope_parameters == {"rope_type": "default", "rope_theta": 5000.0}
+
+
+def test_eos_token_id_may_be_a_list():
+    assert tiny_config(eos_token_id=[2, 96], pad_token_id=None).eos_token_id == [2, 96]
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("num_key_value_heads", 3, "num_key_value_heads"),  # does not divide 4 heads
+        ("pad_token_id", 97, "pad_token_id"),
+        ("ssm_dt_max", math.inf, "ssm_dt_max"),
+        ("rope_parameters", {"rope_type": "bogus", "rope_theta": 10000.0}, "rope_type"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, str) else v,
+)
+def test_save_pretrained_refuses_an_invalid_config_and_writes_nothing(tmp_path, field, value, match):
+    """A field set after construction is checked when saving, as Transformers' `@strict` configs are."""
+    config = tiny_config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=match):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+
+
+def test_save_pretrained_refuses_rope_parameters_edited_in_place(tmp_path):
+    config = tiny_config()
+    config.rope_parameters["rope_theta"] = -1.0
+    with pytest.raises(ValueError, match="rope_theta"):
+        config.save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
 
 
 def test_defaults_are_a_1b_model():
