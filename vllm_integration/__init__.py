@@ -9,5 +9,9 @@ def register() -> None:
     import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
     from vllm import ModelRegistry
 
+    from .upstream_fixes import bound_max_token_id
+
+    bound_max_token_id()
+
     if "HybridForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("HybridForCausalLM", "vllm_integration.model:HybridForCausalLM")

