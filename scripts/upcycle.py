@@ -113,6 +113,8 @@ def hybrid_config_for(
     if len(set(full_attention_layers)) != len(full_attention_layers):
         raise CheckpointError(f"--full-attention-layers names a layer twice: {full_attention_layers}")
     fields = {name: getattr(source, name) for name in CARRIED_FIELDS}
+    if fields["pad_token_id"] is not None and not 0 <= fields["pad_token_id"] < source.vocab_size:
+        fields["pad_token_id"] = None  # e.g. Llama 2's -1, "no padding token": the hybrid's config says so with None
     fields["head_dim"] = getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads
     fields["rope_parameters"] = dict(source.rope_parameters)
     # Llama's attention_bias covers q/k/v and o; Qwen2 always has q/k/v biases and no o bias.

@@ -153,6 +153,17 @@ def test_full_attention_layers_keep_full_attention(tmp_path):
     assert partly.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
 
 
+def test_a_padding_id_outside_the_vocabulary_means_none(tmp_path):
+    torch.manual_seed(9)
+    llama = randomized(LlamaForCausalLM(LlamaConfig(**{**DIMS, "pad_token_id": None})))
+    source_dir = save_source(llama, tmp_path / "llama")
+    config = json.loads((source_dir / "config.json").read_text())
+    (source_dir / "config.json").write_text(json.dumps({**config, "pad_token_id": -1}))  # as Llama 2's on the Hub
+    hybrid = upcycled(source_dir, tmp_path / "hybrid", "--sliding-window", 64)
+    assert hybrid.config.pad_token_id is None
+    assert_same_logits(hybrid, llama, tokens(20))
+
+
 def test_the_ssm_branch_is_live_and_its_options_are_applied(tmp_path):
     torch.manual_seed(4)
     source = randomized(MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)))
