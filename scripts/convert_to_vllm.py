@@ -8,19 +8,23 @@ What changes (vLLM's layout, nothing of the function):
     its stateful part moves under the attention layer: `self_attn.attn.ssm.{conv1d_weight, conv1d_bias, x_proj,
     dt_proj, A, D}`, with the conv weight squeezed to `[E, K]`;
   * `A = -exp(A_log)` is computed here, once, in fp32 (vLLM loads A as is); A and D stay fp32;
-  * every other tensor is cast to `--dtype` (default: the checkpoint's own).
-Every tensor is checked first (present, expected shape, floating point, finite, nothing unknown). The output is
-written to a temporary directory next to OUT_DIR and renamed at the end; OUT_DIR is never overwritten without
-`--force`. Tokenizer and generation files are copied.
+  * every other tensor is cast to `--dtype` (default: the checkpoint's own; a float64 checkpoint is written as
+    float32, with a note: vLLM serves no float64).
+Inputs are float32, bfloat16 or float16 (or float64) tensors, in one file or in shards with their index. Every tensor
+is checked first (present, expected shape, dtype, finite, nothing unknown; in one shard only, the one the index names),
+and so is every tensor converted (finite after A = -exp(A_log) and the cast: a weight beyond float16's range is
+refused, not written as inf). The output is written to a temporary directory next to OUT_DIR, with the mode `mkdir`
+gives, and renamed at the end; OUT_DIR is never overwritten without `--force`, and is never the input, inside it or
+above it. Tokenizer and generation files are copied. A bad input is refused with one `error:` line and exit code 2.
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -30,6 +34,7 @@ from checkpoint_io import (  # noqa: E402
     copy_side_files,
     load_tensors,
     read_config_json,
+    refuse_overlap,
     state_dict_shapes,
     write_directory_atomically,
 )
@@ -50,20 +55,23 @@ def load_config(hf_dir: Path) -> HybridConfig:
         config = HybridConfig.from_dict(raw)
     except ValueError as error:
         raise CheckpointError(f"{config_path}: {error}") from None
+    except (KeyError, TypeError, AttributeError) as error:  # a field of a type the config's own code does not expect
+        raise CheckpointError(f"{config_path}: not a valid HybridConfig ({type(error).__name__}: {error})") from None
     if not config.use_ssm_branch:
         raise CheckpointError(f"{config_path}: use_ssm_branch is false; the vLLM model serves the hybrid only")
     return config
 
 
-def expected_shapes(config: HybridConfig) -> dict[str, tuple[int, ...]]:
-    """The tensors `save_pretrained` writes for this config."""
-    return state_dict_shapes(lambda: HybridForCausalLM(config), config.tie_word_embeddings)
+def expected_shapes(config: HybridConfig, config_path: Path) -> dict[str, tuple[int, ...]]:
+    """The tensors `save_pretrained` writes for this config (building the model on the meta device: a config that
+    describes no model is refused here)."""
+    return state_dict_shapes(lambda: HybridForCausalLM(config), config.tie_word_embeddings, str(config_path))
 
 
 def to_vllm(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Fuses q/k/v and gate/up, maps every other tensor with the loader's own rules (`vllm_tensor`), casts."""
     out = {}
-    for name, tensor in tqdm(tensors.items(), desc="converting", unit="tensor"):
+    for name, tensor in tensors.items():
         fused = next(
             (
                 (into, [part for part, _ in parts])
@@ -84,14 +92,42 @@ def to_vllm(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, t
     return out
 
 
+def check_converted(converted: dict[str, torch.Tensor]) -> None:
+    """What is written is finite. The input was checked finite, so a non-finite tensor here overflowed: in
+    A = -exp(A_log) (fp32) or in the cast to the output dtype."""
+    for name, tensor in converted.items():
+        if torch.isfinite(tensor).all():
+            continue
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if name.endswith(".A"):
+            limit = math.log(torch.finfo(torch.float32).max)
+            raise CheckpointError(f"{name} = -exp(A_log) overflows float32 (A_log holds values above {limit:.1f})")
+        hint = "; pass --dtype bfloat16 or float32" if tensor.dtype == torch.float16 else ""
+        raise CheckpointError(f"{name} overflows {dtype} (values beyond ±{torch.finfo(tensor.dtype).max:.5g}){hint}")
+
+
+def output_dtype(tensors: dict[str, torch.Tensor], dtype_name: str | None) -> torch.dtype:
+    """`--dtype`, else the checkpoint's own (its embeddings'), float64 becoming float32 with a note."""
+    if dtype_name:
+        return DTYPES[dtype_name]
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    if dtype == torch.float64:
+        print("float64 checkpoint: writing float32 (pass --dtype to choose)")
+        return torch.float32
+    return dtype
+
+
 def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) -> None:
+    refuse_overlap(hf_dir, out_dir)
     if out_dir.exists() and not force:
         raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
     config = load_config(hf_dir)
+    expected = expected_shapes(config, hf_dir / "config.json")
     tensors = load_tensors(hf_dir)
-    check_tensors(tensors, expected_shapes(config))
-    dtype = DTYPES[dtype_name] if dtype_name else tensors["model.embed_tokens.weight"].dtype
+    check_tensors(tensors, expected)
+    dtype = output_dtype(tensors, dtype_name)
     converted = to_vllm(tensors, dtype)
+    check_converted(converted)
 
     def write(staging: Path) -> None:
         save_file(converted, staging / "model.safetensors", metadata={"format": "pt"})

@@ -22,9 +22,16 @@ def hf_dir(tmp_path):
     return tmp_path / "hf"
 
 
-def run_converter(*args) -> subprocess.CompletedProcess:
+def run_converter(*args, umask: int = -1) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO_ROOT / "scripts" / "convert_to_vllm.py"), *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+    return subprocess.run(command, check=False, capture_output=True, text=True, timeout=300, umask=umask)
+
+
+def assert_refused(returncode: int, stderr: str, message: str) -> None:
+    """Exit code 2 and one `error:` line naming the problem: the first stderr line and the only one."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert returncode == 2, stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
 
 
 def test_conversion_maps_every_tensor(hf_dir, tmp_path):
@@ -95,6 +102,33 @@ def corrupt_config(hf_dir, **fields):
     path.write_text(json.dumps(config))
 
 
+def shard(hf_dir, edit_shards=lambda shards: None, edit_index=lambda index: None):
+    """Splits `model.safetensors` into two shards and their index (as `save_pretrained(max_shard_size=...)` writes
+    them), after `edit_shards({file: tensors})` and `edit_index(index)`."""
+    tensors = load_file(hf_dir / "model.safetensors")
+    names = sorted(tensors)
+    files = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    shards = {file: {name: tensors[name] for name in half} for file, half in zip(files, halves)}
+    index = {"metadata": {}, "weight_map": {name: file for file, half in zip(files, halves) for name in half}}
+    edit_shards(shards)
+    edit_index(index)
+    (hf_dir / "model.safetensors").unlink()
+    for file, shard_tensors in shards.items():
+        save_file(shard_tensors, hf_dir / file, metadata={"format": "pt"})
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+FIRST, SECOND = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+EMBED, NORM = "model.embed_tokens.weight", "model.norm.weight"  # in the first shard and in the second
+A_LOG = "model.layers.0.self_attn.ssm.A_log"
+
+
+def move_norm_to_first_shard(shards):
+    shards[FIRST][NORM] = shards[SECOND].pop(NORM)
+
+
+# kind -> (corruption of the checkpoint, what the error line names, extra converter arguments)
 CORRUPTIONS = {
     "missing tensor": (
         lambda d: corrupt_tensors(d, lambda t: t.pop("model.layers.1.self_attn.ssm.A_log")),
@@ -109,8 +143,12 @@ CORRUPTIONS = {
         "unknown tensor model.extra.weight",
     ),
     "integer tensor": (
-        lambda d: corrupt_tensors(d, lambda t: t.update({"model.norm.weight": torch.ones(48, dtype=torch.int32)})),
+        lambda d: corrupt_tensors(d, lambda t: t.update({NORM: torch.ones(48, dtype=torch.int32)})),
         "model.norm.weight has dtype torch.int32",
+    ),
+    "float8 tensor": (
+        lambda d: corrupt_tensors(d, lambda t: t.update({NORM: t[NORM].to(torch.float8_e4m3fn)})),
+        "model.norm.weight has dtype torch.float8_e4m3fn",
     ),
     "nan": (
         lambda d: corrupt_tensors(
@@ -118,24 +156,160 @@ CORRUPTIONS = {
         ),
         "model.layers.2.mlp.up_proj.weight holds NaN",
     ),
+    "A overflows": (
+        lambda d: corrupt_tensors(d, lambda t: t[A_LOG].__setitem__((0, 0), 100.0)),
+        "model.layers.0.self_attn.attn.ssm.A = -exp(A_log) overflows float32",
+    ),
+    "float16 overflow": (
+        lambda d: corrupt_tensors(d, lambda t: t[NORM].__setitem__(0, 1e6)),
+        "model.norm.weight overflows float16",
+        ("--dtype", "float16"),
+    ),
     "wrong model_type": (lambda d: corrupt_config(d, model_type="llama"), "model_type is 'llama'"),
     "invalid config": (lambda d: corrupt_config(d, num_key_value_heads=3), "num_key_value_heads"),
+    "config is a list": (lambda d: (d / "config.json").write_text("[1, 2]"), "does not hold a JSON object"),
+    "unknown rope_type": (
+        lambda d: corrupt_config(d, rope_parameters={"rope_type": "bogus", "rope_theta": 10000.0}),
+        "bogus",
+    ),
+    "rope_parameters a string": (lambda d: corrupt_config(d, rope_parameters="llama3"), "config.json: "),
+    "rope_parameters incomplete": (
+        lambda d: corrupt_config(d, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0}),
+        "config.json",
+    ),
     "unreadable weights": (lambda d: (d / "model.safetensors").write_bytes(b"not a safetensors file"), "cannot read"),
     "no weights": (lambda d: (d / "model.safetensors").unlink(), "no model.safetensors"),
     "no config": (lambda d: (d / "config.json").unlink(), "config.json not found"),
+    "index is a list": (
+        lambda d: shard(d) or (d / "model.safetensors.index.json").write_text("[]"),
+        "model.safetensors.index.json does not hold a JSON object",
+    ),
+    "weight_map is a list": (
+        lambda d: shard(d, edit_index=lambda index: index.update(weight_map=[FIRST, SECOND])),
+        "weight_map is not a JSON object",
+    ),
+    "weight_map value not a string": (
+        lambda d: shard(d, edit_index=lambda index: index["weight_map"].update({NORM: 2})),
+        f"weight_map gives {NORM} the file 2",
+    ),
+    "tensor in two shards": (
+        lambda d: shard(d, edit_shards=lambda shards: shards[FIRST].update({NORM: shards[SECOND][NORM] + 1})),
+        f"{NORM} is in both {FIRST} and {SECOND}",
+    ),
+    "tensor in another shard than the index says": (
+        lambda d: shard(d, edit_shards=move_norm_to_first_shard),
+        f"{FIRST} holds {NORM}, which model.safetensors.index.json puts in {SECOND}",
+    ),
+    "shard tensor not in the index": (
+        lambda d: shard(d, edit_index=lambda index: index["weight_map"].pop(EMBED)),
+        f"{FIRST} holds {EMBED}, which model.safetensors.index.json does not list",
+    ),
+    "index tensor in no shard": (
+        lambda d: shard(d, edit_index=lambda index: index["weight_map"].update({"model.extra.weight": FIRST})),
+        f"model.safetensors.index.json puts model.extra.weight in {FIRST}, which does not hold it",
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(CORRUPTIONS))
 def test_corrupted_input_is_refused_with_one_line_and_no_output(hf_dir, tmp_path, kind, capsys):
-    corrupt, message = CORRUPTIONS[kind]
+    corrupt, message, *args = CORRUPTIONS[kind]
     corrupt(hf_dir)
     out = tmp_path / "out"
-    assert convert_to_vllm.main([str(hf_dir), str(out)]) != 0
-    last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last_line.startswith("error: ") and message in last_line, last_line
+    returncode = convert_to_vllm.main([str(hf_dir), str(out), *(args[0] if args else ())])
+    assert_refused(returncode, capsys.readouterr().err, message)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "a temporary directory was left behind"
+
+
+@pytest.mark.parametrize("error", [KeyError("rope_type"), TypeError("bad type"), AttributeError("no setdefault")])
+def test_whatever_the_config_class_raises_is_one_error_line(hf_dir, tmp_path, error, monkeypatch, capsys):
+    """HybridConfig's own checks raise ValueError; the code under them may raise anything for a field of the wrong
+    type (as `rope_parameters: "llama3"` gave an AttributeError before HybridConfig checked it)."""
+
+    def from_dict(raw):
+        raise error
+
+    monkeypatch.setattr(convert_to_vllm.HybridConfig, "from_dict", from_dict)
+    returncode = convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")])
+    assert_refused(
+        returncode, capsys.readouterr().err, f"config.json: not a valid HybridConfig ({type(error).__name__}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_config_that_builds_no_model_is_one_error_line(hf_dir, tmp_path, monkeypatch, capsys):
+    """A config its class accepts may describe no model (an unknown rope_type was a KeyError in the RoPE init):
+    the model is built (on the meta device) before any tensor is read."""
+
+    def no_model(config):
+        raise KeyError("bogus")
+
+    monkeypatch.setattr(convert_to_vllm, "HybridForCausalLM", no_model)
+    returncode = convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")])
+    assert_refused(
+        returncode, capsys.readouterr().err, "config.json: the model cannot be built from it (KeyError: 'bogus')"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("kind", ["nan", "float16 overflow"])
+def test_the_error_is_the_first_and_only_stderr_line_of_the_script(hf_dir, tmp_path, kind):
+    """No progress bar before the error (what the in-process test may not see: it runs the script itself)."""
+    corrupt, message, *args = CORRUPTIONS[kind]
+    corrupt(hf_dir)
+    result = run_converter(hf_dir, tmp_path / "out", *(args[0] if args else ()))
+    assert_refused(result.returncode, result.stderr, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_a_sharded_checkpoint_converts_as_the_unsharded_one(hf_dir, tmp_path):
+    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "whole")]) == 0
+    shard(hf_dir)
+    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "sharded")]) == 0
+    whole, sharded = (
+        load_file(tmp_path / "whole" / "model.safetensors"),
+        load_file(tmp_path / "sharded" / "model.safetensors"),
+    )
+    assert set(whole) == set(sharded) and all(torch.equal(whole[name], sharded[name]) for name in whole)
+
+
+def test_a_float64_checkpoint_is_written_as_float32(hf_dir, tmp_path, capsys):
+    corrupt_tensors(hf_dir, lambda t: t.update({name: tensor.double() for name, tensor in t.items()}))
+    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")]) == 0
+    assert "float64 checkpoint: writing float32" in capsys.readouterr().out
+    assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert "float64 checkpoint" not in capsys.readouterr().out
+    assert load_file(tmp_path / "bf16" / "model.safetensors")[EMBED].dtype == torch.bfloat16
+
+
+OVERLAPS = {
+    "the input": (lambda hf: hf.parent / "." / hf.name, "is the input checkpoint"),
+    "inside the input": (lambda hf: hf / "sub", "is inside the input checkpoint"),
+    "above the input": (lambda hf: hf.parent, "is inside the output directory"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(OVERLAPS))
+def test_an_output_overlapping_the_input_is_refused_even_with_force(tmp_path, where, capsys):
+    hf_dir = tmp_path / "above" / "hf"
+    HybridForCausalLM(tiny_config()).save_pretrained(hf_dir)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()  # save_pretrained's progress bar
+    out, message = OVERLAPS[where]
+    returncode = convert_to_vllm.main([str(hf_dir), str(out(hf_dir)), "--force"])
+    assert_refused(returncode, capsys.readouterr().err, message)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["above"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002], ids=oct)
+def test_the_output_directory_has_the_mode_mkdir_gives(hf_dir, tmp_path, umask):
+    result = run_converter(hf_dir, tmp_path / "out", umask=umask)
+    assert result.returncode == 0, result.stderr
+    assert oct((tmp_path / "out").stat().st_mode & 0o777) == oct(0o777 & ~umask)
 
 
 def test_existing_output_needs_force(hf_dir, tmp_path):
