@@ -31,6 +31,9 @@ SIDE_FILES = (
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_FILE = "model.safetensors.index.json"
 
+# What `--dtype` offers; float64 checkpoints are written as float32.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
 
 class CheckpointError(Exception):
     """A problem with the input or the output; its message is the one line the user sees."""
@@ -200,3 +203,14 @@ def write_directory_atomically(out_dir: Path, write: Callable[[Path], None], for
         if progress_bars:
             transformers_logging.enable_progress_bar()
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def output_dtype(tensors: dict[str, torch.Tensor], dtype_name: str | None) -> torch.dtype:
+    """`--dtype`, else the checkpoint's own (its embeddings'), float64 becoming float32 with a note."""
+    if dtype_name:
+        return DTYPES[dtype_name]
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    if dtype == torch.float64:
+        print("float64 checkpoint: writing float32 (pass --dtype to choose)")
+        return torch.float32
+    return dtype

@@ -29,20 +29,22 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint_io import (  # noqa: E402
+    DTYPES,
     CheckpointError,
     check_tensors,
     copy_side_files,
     load_tensors,
+    output_dtype,
     read_config_json,
     refuse_overlap,
     state_dict_shapes,
     write_directory_atomically,
 )
+
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from vllm_integration.layout import FUSED_PROJECTIONS, vllm_tensor  # noqa: E402
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FP32_TENSORS = (".A", ".D")
 
 
@@ -104,17 +106,6 @@ def check_converted(converted: dict[str, torch.Tensor]) -> None:
             raise CheckpointError(f"{name} = -exp(A_log) overflows float32 (A_log holds values above {limit:.1f})")
         hint = "; pass --dtype bfloat16 or float32" if tensor.dtype == torch.float16 else ""
         raise CheckpointError(f"{name} overflows {dtype} (values beyond ±{torch.finfo(tensor.dtype).max:.5g}){hint}")
-
-
-def output_dtype(tensors: dict[str, torch.Tensor], dtype_name: str | None) -> torch.dtype:
-    """`--dtype`, else the checkpoint's own (its embeddings'), float64 becoming float32 with a note."""
-    if dtype_name:
-        return DTYPES[dtype_name]
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    if dtype == torch.float64:
-        print("float64 checkpoint: writing float32 (pass --dtype to choose)")
-        return torch.float32
-    return dtype
 
 
 def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) -> None:

@@ -35,14 +35,18 @@ from transformers import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from checkpoint_io import (  # noqa: E402
+    DTYPES,
     CheckpointError,
     check_tensors,
     copy_side_files,
     load_tensors,
+    output_dtype,
     read_config_json,
+    refuse_overlap,
     state_dict_shapes,
     write_directory_atomically,
 )
+
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from modeling.modeling_hybrid import HybridRotaryEmbedding  # noqa: E402
@@ -52,7 +56,6 @@ SOURCES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
 }
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # Fields that mean the same in the source's config and in HybridConfig.
 CARRIED_FIELDS = (
     "vocab_size",
@@ -166,6 +169,7 @@ def upcycle(
     seed: int = 0,
     force: bool = False,
 ) -> HybridConfig:
+    refuse_overlap(source_dir, out_dir)
     if out_dir.exists() and not force:
         raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
     source = load_source_config(source_dir)
@@ -177,7 +181,7 @@ def upcycle(
     if source.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # the source ties it to the embeddings when it loads
     check_tensors(tensors, state_dict_shapes(lambda: source_class(source), source.tie_word_embeddings), "the source")
-    dtype = DTYPES[dtype_name] if dtype_name else tensors["model.embed_tokens.weight"].dtype
+    dtype = output_dtype(tensors, dtype_name)
     model = upcycled_model(tensors, config, seed).to(dtype)
     hybrid_shapes = state_dict_shapes(lambda: HybridForCausalLM(config), config.tie_word_embeddings)
 

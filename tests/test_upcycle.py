@@ -299,3 +299,23 @@ def test_an_existing_output_needs_force(tmp_path, capsys):
     assert upcycle.main([str(source_dir), str(out_dir), "--force"]) == 0
     assert not (out_dir / "keep.txt").exists() and (out_dir / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mistral", "out"]
+
+
+@pytest.mark.parametrize("where", ["the source", "inside the source", "above the source"])
+def test_an_output_overlapping_the_source_is_refused_even_with_force(tmp_path, capsys, where):
+    torch.manual_seed(10)
+    source_dir = save_source(MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)), tmp_path / "top" / "src")
+    out_dir = {"the source": source_dir, "inside the source": source_dir / "out", "above the source": tmp_path / "top"}
+    before = sorted(p.name for p in source_dir.iterdir())
+    capsys.readouterr()
+    assert upcycle.main([str(source_dir), str(out_dir[where]), "--force"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
+    assert sorted(p.name for p in source_dir.iterdir()) == before
+
+
+def test_a_float64_source_is_written_as_float32(tmp_path, capsys):
+    torch.manual_seed(11)
+    source = MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)).double()
+    assert upcycle.main([str(save_source(source, tmp_path / "src")), str(tmp_path / "out")]) == 0
+    assert "float64 checkpoint: writing float32" in capsys.readouterr().out
+    assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}
