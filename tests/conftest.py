@@ -86,6 +86,25 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int):
+    """Transformers' greedy continuation (EOS not stopping it, as vLLM's `ignore_eos`), each chosen token's logprob,
+    and the gap between its two best logprobs at each step (a near tie may flip under any change of summation order)."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(score[0].double(), -1) for score in out.scores]
+    top2 = [lp.topk(2).values for lp in logprobs]
+    gaps = [(top[0] - top[1]).item() for top in top2]
+    return tokens, [lp[token].item() for lp, token in zip(logprobs, tokens)], gaps
+
+
 @pytest.fixture
 def make_model():
     def make(seed: int = 0, attn_implementation: str = "eager", **overrides) -> HybridForCausalLM:

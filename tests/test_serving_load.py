@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 import convert_to_vllm
-from conftest import randomize_, tiny_config
+from conftest import hf_greedy, randomize_, tiny_config
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from vllm_server import running_server
@@ -304,25 +304,6 @@ def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile."""
     ordered = sorted(values)
     return ordered[max(0, min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1))]
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int):
-    """Transformers' greedy continuation (EOS not stopping it, as `ignore_eos`), each chosen token's logprob, and the
-    gap between the two best logprobs at each step."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(score[0].double(), -1) for score in out.scores]
-    top2 = [lp.topk(2).values for lp in logprobs]
-    gaps = [(top[0] - top[1]).item() for top in top2]
-    return tokens, [lp[token].item() for lp, token in zip(logprobs, tokens)], gaps
 
 
 def health(base_url: str) -> int | None:

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 import convert_to_vllm
-from conftest import REPO_ROOT, randomize_, tiny_config
+from conftest import REPO_ROOT, hf_greedy, randomize_, tiny_config
 from recall_task import RecallTask
 from vllm_server import engine_environment, post_json, running_server
 
@@ -52,23 +52,6 @@ def checkpoints(tmp_path_factory):
 def random_prompts(lengths, vocab_size, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
-
-
-def hf_greedy(model, prompt):
-    """Transformers' greedy continuation, the log-probability of each chosen token, and the gap between the two best
-    log-probabilities at each step (a near tie may flip under any change of summation order)."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(s[0].double(), -1) for s in out.scores]
-    top2 = [lp.topk(2).values for lp in logprobs]
-    return tokens, [lp[t].item() for lp, t in zip(logprobs, tokens)], [(v[0] - v[1]).item() for v in top2]
 
 
 def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=None, **engine):
@@ -123,7 +106,7 @@ def assert_follows_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3, min_
     `min_compared` of all tokens must come before such a tie (this random tiny model has flat distributions)."""
     compared = 0
     for prompt, output in zip(prompts, outputs):
-        tokens, logprobs, gaps = hf_greedy(model, prompt)
+        tokens, logprobs, gaps = hf_greedy(model, prompt, MAX_TOKENS)
         for step, (got, want) in enumerate(zip(output["token_ids"], tokens)):
             if gaps[step] < tie_gap:
                 break
@@ -229,7 +212,7 @@ def test_vllm_serve_openai_completions(checkpoints, tmp_path):
     prompt, expected = next(
         (prompt, tokens)
         for prompt in candidates
-        for tokens, _, gaps in [hf_greedy(model, prompt)]
+        for tokens, _, gaps in [hf_greedy(model, prompt, MAX_TOKENS)]
         if min(gaps) > FP32_TIE
     )
     with running_server(vllm_dir, tmp_path / "serve.log", *server_args) as base:
