@@ -413,6 +413,9 @@ class HybridModel(HybridPreTrainedModel):
 
 class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # As Llama's: the plans for the base model's modules live in the config (`base_model_tp_plan`/`_pp_plan`).
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
