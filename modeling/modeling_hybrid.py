@@ -374,10 +374,12 @@ class HybridModel(HybridPreTrainedModel):
             position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        # The SSM branch needs the padding of the current tokens only; a 4D mask carries no padding it can use.
-        padding_mask = None
-        if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
-            padding_mask = attention_mask[:, -seq_len:]
+        # The SSM branch needs the padding of the current tokens only; a 4D mask carries no padding it can use. Taken
+        # whatever the mask holds (multiplying by an all-ones mask is exact): no branch on its values, so the model
+        # exports with a mask.
+        padding_mask = (
+            attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.ndim == 2 else None
+        )
 
         if not isinstance(causal_mask_mapping := attention_mask, dict):
             mask_kwargs = {
