@@ -1,13 +1,40 @@
-"""The hybrid model for Transformers. Importing this package registers `HybridConfig`, `HybridModel` and
-`HybridForCausalLM` with `AutoConfig`, `AutoModel` and `AutoModelForCausalLM`."""
+"""The hybrid model for Transformers. Importing this package registers `HybridConfig` and its models with the Auto
+classes: `HybridModel` (`AutoModel`), `HybridForCausalLM` (`AutoModelForCausalLM`) and the standard heads
+(`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`, `AutoModelForQuestionAnswering`)."""
 
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from configuration import HybridConfig
 
-from .modeling_hybrid import HybridCache, HybridForCausalLM, HybridModel, HybridPreTrainedModel
+from .modeling_hybrid import (
+    HybridCache,
+    HybridForCausalLM,
+    HybridForQuestionAnswering,
+    HybridForSequenceClassification,
+    HybridForTokenClassification,
+    HybridModel,
+    HybridPreTrainedModel,
+)
 
 AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
 AutoModelForCausalLM.register(HybridConfig, HybridForCausalLM, exist_ok=True)
+AutoModelForSequenceClassification.register(HybridConfig, HybridForSequenceClassification, exist_ok=True)
+AutoModelForTokenClassification.register(HybridConfig, HybridForTokenClassification, exist_ok=True)
+AutoModelForQuestionAnswering.register(HybridConfig, HybridForQuestionAnswering, exist_ok=True)
 
-__all__ = ["HybridCache", "HybridConfig", "HybridForCausalLM", "HybridModel", "HybridPreTrainedModel"]
+__all__ = [
+    "HybridCache",
+    "HybridConfig",
+    "HybridForCausalLM",
+    "HybridForQuestionAnswering",
+    "HybridForSequenceClassification",
+    "HybridForTokenClassification",
+    "HybridModel",
+    "HybridPreTrainedModel",
+]

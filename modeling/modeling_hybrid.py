@@ -21,7 +21,12 @@ from transformers.cache_utils import (
 )
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_layers import (
+    GenericForQuestionAnswering,
+    GenericForSequenceClassification,
+    GenericForTokenClassification,
+    GradientCheckpointingLayer,
+)
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
@@ -487,4 +492,23 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         )
 
 
-__all__ = ["HybridCache", "HybridForCausalLM", "HybridModel", "HybridPreTrainedModel"]
+# The standard heads, Transformers' generic ones over `HybridModel` (built through `AutoModel`, under `model` as in the
+# causal LM, so a causal-LM checkpoint loads into them with its base weights).
+class HybridForSequenceClassification(GenericForSequenceClassification, HybridPreTrainedModel): ...
+
+
+class HybridForTokenClassification(GenericForTokenClassification, HybridPreTrainedModel): ...
+
+
+class HybridForQuestionAnswering(GenericForQuestionAnswering, HybridPreTrainedModel): ...
+
+
+__all__ = [
+    "HybridCache",
+    "HybridForCausalLM",
+    "HybridForQuestionAnswering",
+    "HybridForSequenceClassification",
+    "HybridForTokenClassification",
+    "HybridModel",
+    "HybridPreTrainedModel",
+]
