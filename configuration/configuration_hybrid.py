@@ -97,6 +97,30 @@ class HybridConfig(PreTrainedConfig):
     model_type = "hybrid"
     keys_to_ignore_at_inference = ["past_key_values"]
     default_theta = 10000.0
+    # Tensor parallelism (`from_pretrained(..., tp_plan="auto")`): attention and MLP as Llama's. `o_proj` is rowwise
+    # over H*D, so what it reads, a + s, must be this rank's head columns of both: q/k/v are colwise over heads, and
+    # the SSM's `out_proj` colwise over its H*D outputs (from the full E channels). The SSM channels E are not split:
+    # `in_proj` is sharded but gathers its output (xs|z in full, as Qwen3-Next's linear attention), and the conv, the
+    # scan, `x_proj`, `dt_proj`, `A_log` and `D` run replicated on every rank. Splitting E would need `out_proj`
+    # rowwise over E with a reduce-scatter onto the head columns (none of Transformers 5.17's styles; "rowwise"
+    # all-reduces to the full H*D), and the conv weight, `A_log` and `D`, which the branch reads directly, as local
+    # shards (the styles make them DTensors).
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.ssm.in_proj": "colwise_gather_output",
+        "layers.*.self_attn.ssm.out_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
 
     vocab_size: int = 32000
     hidden_size: int = 2048
