@@ -148,8 +148,9 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], 
             raise CheckpointError(f"{name} holds NaN or infinite values{where}")
 
 
-def refuse_overlap(input_dir: Path, out_dir: Path) -> None:
-    """An output that is the input, lies inside it, or holds it (which `--force` would delete) is refused."""
+def refuse_output_dir(input_dir: Path, out_dir: Path, force: bool) -> None:
+    """Before any work: an output that is the input, lies inside it, or holds it (which `--force` would delete) is
+    refused, and so is an existing one without `force`."""
     source, target = input_dir.resolve(), out_dir.resolve()
     if target == source:
         raise CheckpointError(f"{out_dir} is the input checkpoint itself; write the output elsewhere")
@@ -157,6 +158,8 @@ def refuse_overlap(input_dir: Path, out_dir: Path) -> None:
         raise CheckpointError(f"{out_dir} is inside the input checkpoint {input_dir}; write the output elsewhere")
     if source.is_relative_to(target):
         raise CheckpointError(f"the input checkpoint {input_dir} is inside the output directory {out_dir}")
+    if out_dir.exists() and not force:
+        raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
 
 
 def copy_side_files(source_dir: Path, target_dir: Path) -> None:

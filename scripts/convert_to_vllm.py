@@ -36,7 +36,7 @@ from checkpoint_io import (  # noqa: E402
     load_tensors,
     output_dtype,
     read_config_json,
-    refuse_overlap,
+    refuse_output_dir,
     state_dict_shapes,
     write_directory_atomically,
 )
@@ -109,9 +109,7 @@ def check_converted(converted: dict[str, torch.Tensor]) -> None:
 
 
 def convert(hf_dir: Path, out_dir: Path, dtype_name: str | None, force: bool) -> None:
-    refuse_overlap(hf_dir, out_dir)
-    if out_dir.exists() and not force:
-        raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
+    refuse_output_dir(hf_dir, out_dir, force)
     config = load_config(hf_dir)
     expected = expected_shapes(config, hf_dir / "config.json")
     tensors = load_tensors(hf_dir)

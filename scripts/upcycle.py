@@ -42,7 +42,7 @@ from checkpoint_io import (  # noqa: E402
     load_tensors,
     output_dtype,
     read_config_json,
-    refuse_overlap,
+    refuse_output_dir,
     state_dict_shapes,
     write_directory_atomically,
 )
@@ -169,9 +169,7 @@ def upcycle(
     seed: int = 0,
     force: bool = False,
 ) -> HybridConfig:
-    refuse_overlap(source_dir, out_dir)
-    if out_dir.exists() and not force:
-        raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
+    refuse_output_dir(source_dir, out_dir, force)
     source = load_source_config(source_dir)
     config = hybrid_config_for(
         source, sliding_window, full_attention_layers or [], ssm_intermediate_size, ssm_state_size
