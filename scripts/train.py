@@ -365,7 +365,6 @@ def main(argv=None):
     teacher = None
     if args.teacher:
         teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.bfloat16 if args.bf16 else "auto")
-        check_same_vocabulary(model, teacher)
     trained = prepare_trainable(model, args.train, args.lora_rank, args.lora_alpha)
 
     train(
