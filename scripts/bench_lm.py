@@ -36,6 +36,7 @@ Each model's results go to `OUTPUT_DIR/results-MODEL.json`; the corpus, tokenize
 
 import argparse
 import datetime
+import functools
 import hashlib
 import itertools
 import json
@@ -67,7 +68,7 @@ from checkpoint_io import load_tensors  # noqa: E402
 from configuration import HybridConfig  # noqa: E402
 from modeling import HybridForCausalLM  # noqa: E402
 from provenance import head_commit  # noqa: E402
-from train import TRAINING_MODES, prepare_trainable, train  # noqa: E402
+from train import TRAINING_MODES, is_ssm_parameter, prepare_trainable, train  # noqa: E402
 from upcycle import upcycle  # noqa: E402
 
 
@@ -335,15 +336,23 @@ def teacher_dir(args) -> Path:
     return args.teacher or args.output_dir / "full" / "checkpoint"
 
 
+@functools.cache
+def upcycled_checkpoint(teacher: Path, output_dir: Path, window: int) -> Path:
+    """The teacher upcycled with the window (scripts/upcycle.py, fp32), once per run: `full`, which writes the teacher,
+    runs before every model made from it (`parse_args` sees to that)."""
+    upcycled_dir = output_dir / "upcycled" / "checkpoint"
+    upcycle(teacher, upcycled_dir, sliding_window=window, dtype_name="float32", force=True)
+    return upcycled_dir
+
+
 def build_from_teacher(kind: str, shape: Shape, args) -> torch.nn.Module:
-    """The `full` checkpoint upcycled with the window (scripts/upcycle.py, fp32), with its SSM branch (`upcycled`,
-    `distilled`) or without (`distilled-swa`), on the GPU if any."""
-    upcycled_dir = args.output_dir / "upcycled" / "checkpoint"
-    upcycle(teacher_dir(args), upcycled_dir, sliding_window=shape.window, dtype_name="float32", force=True)
+    """The upcycled `full` checkpoint with its SSM branch (`upcycled`, `distilled`) or without (`distilled-swa`), on
+    the GPU if any."""
+    upcycled_dir = upcycled_checkpoint(teacher_dir(args), args.output_dir, shape.window)
     if kind == "distilled-swa":  # the same tensors less the branch, strictly
         model = HybridForCausalLM(HybridConfig.from_pretrained(upcycled_dir, use_ssm_branch=False))
         tensors = load_tensors(upcycled_dir)
-        model.load_state_dict({name: t for name, t in tensors.items() if ".self_attn.ssm." not in name})
+        model.load_state_dict({name: t for name, t in tensors.items() if not is_ssm_parameter(name)})
     else:
         model = HybridForCausalLM.from_pretrained(upcycled_dir)
     model.set_attn_implementation(args.attn)
