@@ -28,7 +28,7 @@ def get_cached_tokenizer_with_last_id(tokenizer):
     if _original_get_cached_tokenizer is None:
         bound_max_token_id()
     cached = _original_get_cached_tokenizer(tokenizer)
-    last_id = max(tokenizer.get_vocab().values(), default=0)
+    last_id = max(cached.get_vocab().values(), default=0)  # the cached tokenizer's vocabulary, read once
     try:
         last_id = max(last_id, tokenizer.vocab_size - 1)  # ids some tokenizers count but do not list (Qwen)
     except (AttributeError, NotImplementedError):
