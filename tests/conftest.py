@@ -105,6 +105,27 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
     return tokens, [lp[token].item() for lp, token in zip(logprobs, tokens)], gaps
 
 
+def converted_tiny_hybrid(root: Path, tokenizer, window: int) -> tuple[HybridForCausalLM, Path]:
+    """A tiny fp32 hybrid for vLLM (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs) with random
+    weights everywhere, saved with `tokenizer` to `root / "hf"` and converted to `root / "vllm"`."""
+    import convert_to_vllm
+
+    torch.manual_seed(0)
+    config = tiny_config(
+        vocab_size=len(tokenizer),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=window,
+        max_position_embeddings=1024,
+    )
+    model = randomize_(HybridForCausalLM(config)).eval()
+    model.save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    assert convert_to_vllm.main([str(root / "hf"), str(root / "vllm"), "--dtype", "float32"]) == 0
+    return model, root / "vllm"
+
+
 @pytest.fixture
 def make_model():
     def make(seed: int = 0, attn_implementation: str = "eager", **overrides) -> HybridForCausalLM:

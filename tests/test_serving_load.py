@@ -20,8 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-import convert_to_vllm
-from conftest import hf_greedy, randomize_, tiny_config
+from conftest import converted_tiny_hybrid, hf_greedy
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from vllm_server import running_server
@@ -72,20 +71,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving_load")
     tokenizer = build_tokenizer()
     assert len(tokenizer) == tokenizer.vocab_size == VOCAB_SIZE
-    torch.manual_seed(0)
-    config = tiny_config(
-        vocab_size=VOCAB_SIZE,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=WINDOW,
-        max_position_embeddings=1024,
-    )
-    model = randomize_(HybridForCausalLM(config)).eval()
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    vllm_dir = root / "vllm"
-    assert convert_to_vllm.main([str(root / "hf"), str(vllm_dir), "--dtype", "float32"]) == 0
+    model, vllm_dir = converted_tiny_hybrid(root, tokenizer, WINDOW)
     server_args = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.2"]
     # A token budget of 64 per step: prompts longer than that are prefilled in chunks, as under load with defaults.
     server_args += ["--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", str(TOKEN_BUDGET)]

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 import convert_to_vllm
-from conftest import REPO_ROOT, hf_greedy, randomize_, tiny_config
+from conftest import REPO_ROOT, converted_tiny_hybrid, hf_greedy, randomize_
 from recall_task import RecallTask
 from vllm_server import engine_environment, post_json, running_server
 
@@ -29,24 +29,8 @@ ENGINE = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny fp32 hybrid (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs), its tokenizer, and
-    its vLLM conversion."""
-    root = tmp_path_factory.mktemp("vllm")
-    tokenizer = RecallTask().build_tokenizer()
-    torch.manual_seed(0)
-    config = tiny_config(
-        vocab_size=len(tokenizer),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=WINDOW,
-        max_position_embeddings=1024,
-    )
-    model = randomize_(HybridForCausalLM(config)).eval()
-    model.save_pretrained(root / "hf")
-    tokenizer.save_pretrained(root / "hf")
-    assert convert_to_vllm.main([str(root / "hf"), str(root / "vllm"), "--dtype", "float32"]) == 0
-    return model, root / "vllm"
+    """A tiny fp32 hybrid with the recall tokenizer, and its vLLM conversion (conftest's `converted_tiny_hybrid`)."""
+    return converted_tiny_hybrid(tmp_path_factory.mktemp("vllm"), RecallTask().build_tokenizer(), WINDOW)
 
 
 def random_prompts(lengths, vocab_size, seed=0):
