@@ -20,7 +20,11 @@ from transformers.cache_utils import (
     LinearAttentionAndSlidingWindowAttentionLayer,
 )
 from transformers.generation import GenerationMixin
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    find_packed_sequence_indices,
+)
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
     GenericForSequenceClassification,
@@ -132,8 +136,10 @@ class HybridSSM(nn.Module):
         hidden_states: torch.Tensor,
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`)."""
+        """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`);
+        seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one sequence per row)."""
         causal_conv1d, selective_scan = self._ops_for(hidden_states)
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
 
@@ -145,7 +151,7 @@ class HybridSSM(nn.Module):
 
         # 2. Causal depthwise conv (silu fused), continuing from the cached last K-1 inputs.
         conv_history = past_key_values.layers[self.layer_idx].conv_states[0] if has_history else None  # [B, E, K-1]
-        u = causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history)  # [B, T, E]
+        u = causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)  # [B, T, E]
         if past_key_values is not None:
             # Updates the cached history in place: only after the conv has read it.
             past_key_values.update_conv_state(
@@ -159,10 +165,10 @@ class HybridSSM(nn.Module):
             # A zero step leaves the state exactly as it was: padding never enters the state.
             dt = dt * padding_mask[..., None].to(dt.dtype)
 
-        # 4. Selective scan in fp32 from the cached state.
+        # 4. Selective scan in fp32 from the cached state; packed sequences each start from zero.
         A = -torch.exp(self.A_log.float())  # [E, N]
         initial_state = past_key_values.layers[self.layer_idx].recurrent_states[0] if has_history else None
-        y, final_state = selective_scan(u, dt, A, B, C, self.D, z, initial_state)
+        y, final_state = selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 
@@ -210,6 +216,7 @@ class HybridAttention(nn.Module):
         attention_mask: torch.Tensor | None,
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         input_shape = hidden_states.shape[:-1]
@@ -242,7 +249,7 @@ class HybridAttention(nn.Module):
 
         # 2. History branch on the same input, summed before the output projection.
         if self.ssm is not None:
-            attn_output = attn_output + self.ssm(hidden_states, past_key_values, padding_mask)
+            attn_output = attn_output + self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
         return self.o_proj(attn_output), attn_weights
 
 
@@ -261,6 +268,7 @@ class HybridDecoderLayer(GradientCheckpointingLayer):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> torch.Tensor:
         residual = hidden_states
@@ -271,6 +279,7 @@ class HybridDecoderLayer(GradientCheckpointingLayer):
             attention_mask=attention_mask,
             past_key_values=past_key_values,
             padding_mask=padding_mask,
+            seq_idx=seq_idx,
             **kwargs,
         )
         hidden_states = residual + hidden_states
@@ -328,6 +337,39 @@ class HybridPreTrainedModel(PreTrainedModel):
             init.zeros_(module.out_proj.weight)
 
 
+def packed_sequence_index(
+    batch_size: int,
+    seq_len: int,
+    position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    past_seen_tokens: int,
+    seq_idx: torch.Tensor | None,
+    flash_kwargs: dict,
+) -> torch.Tensor | None:
+    """[B, T] index of the sequence each token belongs to when rows pack several sequences (padding-free training,
+    `DataCollatorWithFlattening`), else None. The SSM branch restarts its state and conv history where it changes,
+    as the attention does at the same boundaries. Taken from, in order: the collator's `seq_idx`; flash-attention's
+    `cu_seq_lens_q` (offsets into the flattened batch); `position_ids` that restart (Transformers' rule for its
+    masks: a new sequence wherever a position is not its predecessor's plus one), on a first forward without a padding
+    mask."""
+    if seq_idx is not None:
+        if tuple(seq_idx.shape) != (batch_size, seq_len) or seq_idx.is_floating_point():
+            raise ValueError(
+                f"seq_idx must be an integer tensor of shape [batch, seq_len] = {(batch_size, seq_len)}, got "
+                f"{seq_idx.dtype} {tuple(seq_idx.shape)}"
+            )
+        return seq_idx
+    cu_seq_lens = flash_kwargs.get("cu_seq_lens_q")
+    if cu_seq_lens is not None:
+        if cu_seq_lens.dim() != 1 or cu_seq_lens.shape[0] < 2:
+            raise ValueError(f"cu_seq_lens_q must be [num_sequences + 1] offsets, got {tuple(cu_seq_lens.shape)}")
+        tokens = torch.arange(batch_size * seq_len, device=cu_seq_lens.device, dtype=cu_seq_lens.dtype)
+        return torch.searchsorted(cu_seq_lens[1:].contiguous(), tokens, right=True).view(batch_size, seq_len)
+    if position_ids is None or attention_mask is not None or past_seen_tokens:
+        return None
+    return find_packed_sequence_indices(position_ids.expand(batch_size, -1))
+
+
 class HybridModel(HybridPreTrainedModel):
     def __init__(self, config: HybridConfig):
         super().__init__(config)
@@ -373,9 +415,12 @@ class HybridModel(HybridPreTrainedModel):
                 f"got {type(past_key_values).__name__}"
             )
 
-        seq_len = inputs_embeds.shape[1]
+        batch_size, seq_len = inputs_embeds.shape[:2]
+        past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+        seq_idx = packed_sequence_index(
+            batch_size, seq_len, position_ids, attention_mask, past_seen_tokens, kwargs.pop("seq_idx", None), kwargs
+        )
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
             position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
@@ -391,7 +436,9 @@ class HybridModel(HybridPreTrainedModel):
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
+                # An empty cache sizes the masks as no cache does; passing none lets the masks find packed sequences
+                # in `position_ids` (which they skip whenever a cache is given) on a first forward with use_cache.
+                "past_key_values": past_key_values if past_seen_tokens else None,
                 "position_ids": position_ids,
             }
             causal_mask_mapping = {}
@@ -409,6 +456,7 @@ class HybridModel(HybridPreTrainedModel):
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 padding_mask=padding_mask,
+                seq_idx=seq_idx,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

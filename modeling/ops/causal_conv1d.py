@@ -44,6 +44,7 @@ def causal_conv1d_ref(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     initial_history: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over a batch of sequences, token-major layout (reference of `causal_conv1d_fn`).
 
@@ -52,6 +53,9 @@ def causal_conv1d_ref(
         weight: [E, K]. bias: [E] or None.
         activation: None or "silu".
         initial_history: [B, E, K-1] the K-1 inputs before x[:, 0] (a chunk continuing from a cache); None = zeros.
+        seq_idx: [B, T] integer index of the sequence each token belongs to, for rows that pack several sequences
+            (mamba_ssm's convention): a tap reads only inputs of its own token's sequence, zeros elsewhere; the
+            history belongs to the row's first sequence. None: one sequence per row.
 
     Returns:
         y: [B, T, E] in x.dtype. Math in fp32 (fp64 for fp64 inputs), differentiable in x, weight, bias and history.
@@ -66,7 +70,17 @@ def causal_conv1d_ref(
     else:
         history = initial_history.to(compute_dtype)
     padded = torch.cat([history, x_t], dim=-1)  # [B, E, K-1+T]: left-padded with the history
-    y = _depthwise_causal(padded, weight, bias, activation)  # [B, E, T]
+    if seq_idx is None:
+        y = _depthwise_causal(padded, weight, bias, activation)  # [B, E, T]
+        return y.transpose(1, 2).to(x.dtype)
+    # Tap by tap, each input masked unless it belongs to the output token's sequence.
+    seq_len = x.shape[1]
+    padded_seq = torch.cat([seq_idx[:, :1].expand(-1, width - 1), seq_idx], dim=-1)  # [B, K-1+T]
+    y = torch.zeros_like(x_t) if bias is None else bias.to(compute_dtype)[:, None].expand_as(x_t).clone()
+    for k in range(width):
+        same_sequence = (padded_seq[:, k : k + seq_len] == seq_idx)[:, None, :]  # [B, 1, T]
+        y = y + weight[:, k, None].to(compute_dtype) * padded[..., k : k + seq_len] * same_sequence
+    y = F.silu(y) if activation == "silu" else y
     return y.transpose(1, 2).to(x.dtype)
 
 

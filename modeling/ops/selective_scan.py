@@ -22,6 +22,7 @@ def selective_scan_ref(
     D: torch.Tensor,
     z: torch.Tensor,
     initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selective scan over a batch of sequences, token-major layout.
 
@@ -34,9 +35,12 @@ def selective_scan_ref(
         D:  [E] skip connection.
         z:  [B, T, E] gate.
         initial_state: [B, E, N] fp32 state before the first token; `None` means zeros.
+        seq_idx: [B, T] integer index of the sequence each token belongs to, for rows that pack several sequences
+            (padding-free training; mamba_ssm's convention). Where it changes between two tokens the state restarts
+            from zero; the initial state belongs to the row's first sequence. `None`: one sequence per row.
 
     Returns:
-        y: [B, T, E] in `u.dtype`, and the final state [B, E, N] in fp32.
+        y: [B, T, E] in `u.dtype`, and the final state [B, E, N] in fp32 (that of the row's last sequence).
     """
     batch_size, seq_len, num_channels = u.shape
     u_f, dt_f, B_f, C_f = u.float(), dt.float(), B.float(), C.float()
@@ -48,6 +52,11 @@ def selective_scan_ref(
 
     # Everything but the recurrence itself is computed for all steps at once.
     decay = torch.exp(dt_f[..., None] * A_f)  # [B, T, E, N]
+    if seq_idx is not None:
+        # A sequence's first token starts from zero: nothing of the previous sequence's state is carried into it.
+        continues = torch.ones_like(seq_idx, dtype=torch.bool)
+        continues[:, 1:] = seq_idx[:, 1:] == seq_idx[:, :-1]
+        decay = decay * continues[:, :, None, None]
     drive = (dt_f * u_f)[..., None] * B_f[:, :, None, :]  # [B, T, E, N]
     states = []
     for t in range(seq_len):
