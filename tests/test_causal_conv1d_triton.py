@@ -125,6 +125,96 @@ def test_chunks_continuing_from_history_match_one_pass(ops, split):
     assert_close(torch.cat([first, second], dim=1), ops.causal_conv1d_fn(x, weight, bias, "silu"), torch.float32)
 
 
+# Packed rows (seq_idx): each row's sequence lengths, summing to T. Boundaries inside a tile and on a tile boundary
+# (row 8 with block_t 8), sequences of 1 and 2 tokens (< K-1: a tap reaches back past the previous sequence), rows of
+# one batch cut differently, and a row holding one sequence.
+PACKED_CASES = [  # E, K, dtype, bias, activation, history, (block_t, block_e) or None, lengths per row, seq_idx dtype
+    (19, 4, torch.float32, True, "silu", True, (8, 8), [[1, 2, 5, 5], [6, 1, 6]], torch.int32),
+    (19, 4, torch.float32, False, None, False, (8, 8), [[3, 5, 2, 7], [17]], torch.int64),
+    (24, 4, torch.bfloat16, True, "silu", True, (8, 16), [[2, 1, 1, 9, 3], [9, 7]], torch.int64),
+    (16, 3, torch.bfloat16, False, None, True, None, [[4, 1, 5], [2, 8]], torch.int32),
+    (12, 2, torch.float32, False, "silu", True, (4, 8), [[1, 1, 1, 6], [5, 4]], torch.int32),
+]
+PACKED_IDS = [
+    f"E{c[0]}-K{c[1]}-{str(c[2])[6:]}-{'bias' if c[3] else 'nobias'}-{c[4] or 'linear'}-{'hist' if c[5] else 'zero'}-"
+    f"{'x'.join(map(str, c[6])) if c[6] else 'default'}-{'_'.join('.'.join(map(str, row)) for row in c[7])}"
+    for c in PACKED_CASES
+]
+
+
+def packed_seq_idx(lengths: list[list[int]], dtype: torch.dtype = torch.int32, first: int = 0) -> torch.Tensor:
+    """seq_idx [B, T] of rows packing sequences of the given lengths, numbered first, first+1, .. along each row."""
+    rows = [torch.repeat_interleave(torch.arange(len(row)) + first, torch.tensor(row)) for row in lengths]
+    return torch.stack(rows).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("channels,width,dtype,with_bias,activation,with_history,blocks,lengths,idx_dtype",
+                         PACKED_CASES, ids=PACKED_IDS)  # fmt: skip
+def test_packed_rows_match_reference(
+    ops, channels, width, dtype, with_bias, activation, with_history, blocks, lengths, idx_dtype
+):
+    """Forward and dx / dweight / dbias of rows packing several sequences, against the reference with the same
+    seq_idx (fp64 for the gradients); the launchers at the case's tiles, the autograd entry point at its defaults."""
+    batch, seq_len = len(lengths), sum(lengths[0])
+    x, weight, bias, history = train_inputs(batch, seq_len, channels, width, dtype, dtype, with_bias, with_history, 10)
+    seq_idx = packed_seq_idx(lengths, idx_dtype)
+    dy = torch.randn(batch, seq_len, channels, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
+    block_t, block_e = blocks or (None, None)
+
+    out = torch.full((batch, seq_len, channels), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
+    y = ops.causal_conv1d_fwd(
+        x, weight, bias, activation, history, out, seq_idx=seq_idx, block_t=block_t, block_e=block_e
+    )
+    assert_close(y, causal_conv1d_ref(x, weight, bias, activation, history, seq_idx), dtype)
+    grads = ops.causal_conv1d_bwd(
+        x, weight, bias, dy, activation, history, seq_idx=seq_idx, block_t=block_t, block_e=block_e
+    )
+
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias) if t is not None]
+    y_fn = ops.causal_conv1d_fn(*leaves[:2], leaves[2] if with_bias else None, activation, history, seq_idx)
+    torch.testing.assert_close(y_fn, y, atol=0, rtol=0)
+    y_fn.backward(dy)
+
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, weight, bias) if t is not None]
+    ref_history = history.double() if history is not None else None
+    ref_bias = ref_leaves[2] if with_bias else None
+    causal_conv1d_ref(*ref_leaves[:2], ref_bias, activation, ref_history, seq_idx).backward(dy.double())
+    for name, grad, leaf, ref_leaf in zip(("dx", "dweight", "dbias"), grads, leaves, ref_leaves):
+        assert grad.dtype == leaf.dtype and grad.shape == leaf.shape, name
+        assert_close(grad, ref_leaf.grad, leaf.dtype)
+        assert_close(leaf.grad, ref_leaf.grad, leaf.dtype)
+
+
+def test_packed_row_equals_sequences_run_alone(ops):
+    """The property packing must have: a packed row's output and dx are those of its sequences each run alone through
+    the kernel (concatenated; the row's history goes with its first sequence), and dweight / dbias are the sums over
+    the sequences run alone. seq_idx numbered from 3, as int64."""
+    lengths = [[2, 1, 7, 5], [9, 6]]
+    channels, width, seq_len = 20, 4, 15
+    x, weight, bias, history = train_inputs(2, seq_len, channels, width, torch.float32, torch.float32, True, True, 12)
+    dy = torch.randn(2, seq_len, channels, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    seq_idx = packed_seq_idx(lengths, torch.int64, first=3)
+
+    leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+    y = ops.causal_conv1d_fn(*leaves, "silu", history, seq_idx)
+    y.backward(dy)
+
+    weight_alone, bias_alone = weight.detach().requires_grad_(), bias.detach().requires_grad_()
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for seq, length in enumerate(row_lengths):
+            rows = slice(start, start + length)
+            x_alone = x[row : row + 1, rows].detach().requires_grad_()
+            seq_history = history[row : row + 1] if seq == 0 else None
+            y_alone = ops.causal_conv1d_fn(x_alone, weight_alone, bias_alone, "silu", seq_history)
+            y_alone.backward(dy[row : row + 1, rows])
+            torch.testing.assert_close(y[row : row + 1, rows], y_alone, atol=0, rtol=0)
+            torch.testing.assert_close(leaves[0].grad[row : row + 1, rows], x_alone.grad, atol=0, rtol=0)
+            start += length
+    assert_close(leaves[1].grad, weight_alone.grad, torch.float32)
+    assert_close(leaves[2].grad, bias_alone.grad, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Serving: packed prefills and decode steps against the conv-state cache
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,3 +392,16 @@ def test_bad_inputs_name_the_tensor(ops):
     cu_seqlens = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="has_initial_state"):
         ops.causal_conv1d_varlen_fwd(x, weight, bias, conv_state, cu_seqlens, slots[:1], slots[:1])
+
+
+def test_bad_seq_idx_is_named(ops):
+    gen = torch.Generator().manual_seed(14)
+    x = xs_half((2, 6), 8, torch.float32, gen)
+    weight, bias = conv_params(8, 4, torch.float32, True, gen)
+    seq_idx = packed_seq_idx([[2, 4], [6]])
+    dy = torch.ones_like(x)
+    for bad in (seq_idx[:, :5], seq_idx[0], seq_idx[:, :, None], seq_idx.float(), seq_idx.bool()):
+        with pytest.raises(ValueError, match="seq_idx"):
+            ops.causal_conv1d_fn(x, weight, bias, "silu", None, bad)
+        with pytest.raises(ValueError, match="seq_idx"):
+            ops.causal_conv1d_bwd(x, weight, bias, dy, "silu", seq_idx=bad)

@@ -1,7 +1,8 @@
 """Triton kernels of the causal depthwise conv1d (references with the same signatures in causal_conv1d.py).
 
 Public functions:
-    causal_conv1d_fn           training: [B, T, E] -> [B, T, E], autograd (grads for x, weight, bias).
+    causal_conv1d_fn           training: [B, T, E] -> [B, T, E], autograd (grads for x, weight, bias); rows may pack
+                               several sequences (`seq_idx`, padding-free training).
     causal_conv1d_varlen_fwd   serving prefills: packed [T, E] sequences continuing from / updating the conv cache.
     causal_conv1d_update       serving decode: one token per request, CUDA-graph safe.
 
@@ -9,6 +10,12 @@ Layout: token-major, E is the contiguous dimension, so every tile [BLOCK_T, BLOC
 A program's inputs are one [BLOCK_T + K - 1, BLOCK_E] window, read as K row-shifted [BLOCK_T, BLOCK_E] tiles (Triton
 cannot shift the rows of a register tile): the window comes from DRAM once, the overlapping rows are L1/L2 hits.
 All math in fp32; outputs are cast once, at the store.
+
+Packed training rows (HAS_SEQ_IDX): seq_idx [B, T] int32 names each token's sequence. Every shifted input tile is
+masked where its source row's seq_idx differs from its output row's (the history counts as seq_idx[0]), in
+`_load_inputs`, which the forward, the backward's silu recompute and dweight's input tiles all go through; dx masks its
+g tiles by the same rule seen from the input side (x_s feeds g_{s+i} only if seq_idx[s+i] == seq_idx[s]). Without
+seq_idx the flag is off and none of this is in the compiled code.
 """
 
 import torch
@@ -37,9 +44,18 @@ def _pick_blocks(num_channels: int, num_rows: int, max_block_t: int, max_block_e
 
 
 @triton.jit
+def _load_seq_idx(p_seq_idx, o_src, T):
+    """seq_idx [BLOCK_T] int32 of source rows o_src of a packed row: rows before 0 (the history) read seq_idx[0], rows
+    from T on get -1 (their inputs and g are zeros, whatever they match)."""
+    return tl.load(p_seq_idx + tl.maximum(o_src, 0), mask=o_src < T, other=-1)
+
+
+@triton.jit
 def _load_inputs(
     p_x,
     p_hist,
+    p_seq_idx,
+    b_seq_dst,
     o_t,
     o_e,
     m_e,
@@ -54,11 +70,14 @@ def _load_inputs(
     SHIFT: tl.constexpr,
     K: tl.constexpr,
     HAS_HISTORY: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
 ):
     """Inputs at rows o_t + SHIFT of the sequence extended by its history, fp32 [BLOCK_T, BLOCK_E]: x rows from the
     sequence start b_bos on (below T); before it, history entry K-1 + (row - b_bos) at p_hist + o_hist (rows
     m_hist_rows), else zeros. Masks and pointers depend on the source row only, so two loads of one row in a kernel
-    are the same IR and the compiler merges them."""
+    are the same IR and the compiler merges them. With HAS_SEQ_IDX (training only: b_bos is 0) the tile is then zeroed
+    on rows whose sequence (`_load_seq_idx`) is not b_seq_dst [BLOCK_T], the sequence of the output rows they feed:
+    a select after the load, so the loads themselves still merge."""
     o_src = o_t + SHIFT
     m_x = ((o_src >= b_bos) & (o_src < T))[:, None] & m_e[None, :]
     p_in = p_x + o_src.to(tl.int64)[:, None] * s_x_t + o_e[None, :] * s_x_e
@@ -67,6 +86,8 @@ def _load_inputs(
         m_h = ((o_src < b_bos) & m_hist_rows)[:, None] & m_e[None, :]
         p_h = p_hist + o_hist[:, None] + o_e[None, :] * s_h_e + (K - 1 + o_src - b_bos)[:, None] * s_h_k
         b_in += tl.load(p_h, mask=m_h, other=0.0).to(tl.float32)
+    if HAS_SEQ_IDX:
+        b_in = tl.where((_load_seq_idx(p_seq_idx, o_src, T) == b_seq_dst)[:, None], b_in, 0.0)
     return b_in
 
 
@@ -76,6 +97,7 @@ def _conv_rows(
     p_w,
     p_bias,
     p_hist,
+    p_seq_idx,
     o_t,
     o_e,
     m_e,
@@ -93,13 +115,18 @@ def _conv_rows(
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_HISTORY: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
 ):
-    """Pre-activation conv output at rows o_t + SHIFT, fp32 [BLOCK_T, BLOCK_E] (`_load_inputs` for the arguments)."""
+    """Pre-activation conv output at rows o_t + SHIFT, fp32 [BLOCK_T, BLOCK_E] (`_load_inputs` for the arguments);
+    with HAS_SEQ_IDX each tap reads only inputs of its output row's sequence."""
+    b_seq_dst = o_t  # not read without seq_idx
+    if HAS_SEQ_IDX:
+        b_seq_dst = _load_seq_idx(p_seq_idx, o_t + SHIFT, T)
     b_acc = tl.zeros([o_t.shape[0], o_e.shape[0]], dtype=tl.float32)
     for k in tl.static_range(K):
         b_in = _load_inputs(
-            p_x, p_hist, o_t, o_e, m_e, b_bos, T, m_hist_rows, o_hist,
-            s_x_t, s_x_e, s_h_e, s_h_k, SHIFT + k - (K - 1), K, HAS_HISTORY,
+            p_x, p_hist, p_seq_idx, b_seq_dst, o_t, o_e, m_e, b_bos, T, m_hist_rows, o_hist,
+            s_x_t, s_x_e, s_h_e, s_h_k, SHIFT + k - (K - 1), K, HAS_HISTORY, HAS_SEQ_IDX,
         )  # fmt: skip
         b_w = tl.load(p_w + o_e * s_w_e + k * s_w_k, mask=m_e, other=0.0).to(tl.float32)
         b_acc += b_in * b_w[None, :]
@@ -139,6 +166,7 @@ def _causal_conv1d_fwd_kernel(
     p_cu_seqlens,
     p_state_indices,
     p_has_initial_state,
+    p_seq_idx,
     T,
     E,
     num_seqs,
@@ -158,18 +186,22 @@ def _causal_conv1d_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_HISTORY: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     """y = act(conv(x) + bias) for one [BLOCK_T, BLOCK_E] tile; `causal_conv1d_ref` / `causal_conv1d_varlen_ref`.
 
-    Training (IS_VARLEN False): program (i_t, i_e, i_b) owns rows i_t*BLOCK_T.. of sequence i_b of x [B, T, E];
-    history [B, E, K-1] when HAS_HISTORY. Serving (IS_VARLEN True): program (i_t, i_e, 0) owns packed rows
-    i_t*BLOCK_T.. of x [T, E], which may span several sequences; each row reads the history of its sequence's slot in
-    conv_state [slots, E, K-1] (p_hist) if has_initial_state. Rows of padding sequences (slot -1) and rows past
-    cu_seqlens[-1] get zeros. This kernel only reads the cache (see `_varlen_conv_state_kernel`).
+    Training (IS_VARLEN False): program (i_t, i_e, i_b) owns rows i_t*BLOCK_T.. of batch row i_b of x [B, T, E];
+    history [B, E, K-1] when HAS_HISTORY; with HAS_SEQ_IDX the batch row packs the sequences of seq_idx [B, T]
+    (contiguous int32), and a tap reads only inputs of its output token's sequence. Serving (IS_VARLEN True): program
+    (i_t, i_e, 0) owns packed rows i_t*BLOCK_T.. of x [T, E], which may span several sequences; each row reads the
+    history of its sequence's slot in conv_state [slots, E, K-1] (p_hist) if has_initial_state. Rows of padding
+    sequences (slot -1) and rows past cu_seqlens[-1] get zeros. This kernel only reads the cache (see
+    `_varlen_conv_state_kernel`).
     """
+    tl.static_assert(not (IS_VARLEN and HAS_SEQ_IDX), "serving prefills delimit sequences by cu_seqlens")
     i_t, i_e, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -186,14 +218,16 @@ def _causal_conv1d_fwd_kernel(
         p_x += i_b.to(tl.int64) * s_x_b
         p_y += i_b.to(tl.int64) * s_y_b
         p_hist += i_b.to(tl.int64) * s_h_b
+        if HAS_SEQ_IDX:
+            p_seq_idx += i_b.to(tl.int64) * T
         b_bos = 0
         m_rows = m_store
         m_hist_rows = m_rows
         o_hist = tl.zeros([BLOCK_T], dtype=tl.int64)
 
     b_y = _conv_rows(
-        p_x, p_w, p_bias, p_hist, o_t, o_e, m_e, b_bos, T, m_hist_rows, o_hist,
-        s_x_t, s_x_e, s_w_e, s_w_k, s_h_e, s_h_k, 0, K, HAS_BIAS, HAS_HISTORY,
+        p_x, p_w, p_bias, p_hist, p_seq_idx, o_t, o_e, m_e, b_bos, T, m_hist_rows, o_hist,
+        s_x_t, s_x_e, s_w_e, s_w_k, s_h_e, s_h_k, 0, K, HAS_BIAS, HAS_HISTORY, HAS_SEQ_IDX,
     )  # fmt: skip
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
@@ -212,6 +246,7 @@ def _causal_conv1d_bwd_kernel(
     p_dx,
     p_dw,
     p_dbias,
+    p_seq_idx,
     T,
     E,
     rows_per_program,
@@ -232,24 +267,29 @@ def _causal_conv1d_bwd_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_HISTORY: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
     """Gradients of `causal_conv1d_ref` in x, weight and bias (not in the history). Program (i_c, i_e, i_b) walks rows
-    i_c*rows_per_program.. (a multiple of BLOCK_T) of sequence i_b in BLOCK_T steps and writes dx there, plus its
+    i_c*rows_per_program.. (a multiple of BLOCK_T) of batch row i_b in BLOCK_T steps and writes dx there, plus its
     partial sums of dweight [BLOCK_K, BLOCK_E] and dbias [BLOCK_E] into row i_b * num_programs(0) + i_c of
     p_dw [P, K, E] / p_dbias [P, E].
 
     With g_t = dy_t * act'(pre_t):  dx_t = sum_k weight[k] * g_{t+K-1-k},  dweight[k] = sum_t g_t * x_{t-K+1+k},
     dbias = sum_t g_t. With silu, pre at the K row shifts of g is recomputed from the 2K-1 shifted x tiles
     (`_load_inputs` makes a repeated load identical IR, which the compiler merges): the forward saves only its inputs.
+    With HAS_SEQ_IDX every term pairs an input with an output of the same sequence: dx_t takes g_{t+i} only where
+    seq_idx[t+i] == seq_idx[t], and pre and dweight's input tiles are masked as in the forward.
     """
     i_c, i_e, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_x += i_b.to(tl.int64) * s_x_b
     p_hist += i_b.to(tl.int64) * s_h_b
     p_dy += i_b.to(tl.int64) * s_dy_b
     p_dx += i_b.to(tl.int64) * s_dx_b
+    if HAS_SEQ_IDX:
+        p_seq_idx += i_b.to(tl.int64) * T
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     o_k = tl.arange(0, BLOCK_K)
     m_e = o_e < E
@@ -262,6 +302,9 @@ def _causal_conv1d_bwd_kernel(
     for t_start in range(i_c * rows_per_program, row_end, BLOCK_T):
         o_t = t_start + tl.arange(0, BLOCK_T)
         m_t = o_t < row_end
+        b_seq_t = o_t  # not read without seq_idx
+        if HAS_SEQ_IDX:
+            b_seq_t = _load_seq_idx(p_seq_idx, o_t, T)
         b_dx = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
         for i in tl.static_range(K):
             # g at rows t+i, which x_t feeds through tap K-1-i
@@ -271,11 +314,13 @@ def _causal_conv1d_bwd_kernel(
             b_g = tl.load(p_g, mask=m_s[:, None] & m_e[None, :], other=0.0).to(tl.float32)
             if SILU:
                 b_pre = _conv_rows(
-                    p_x, p_w, p_bias, p_hist, o_t, o_e, m_e, 0, T, m_all_rows, o_hist,
-                    s_x_t, s_x_e, s_w_e, s_w_k, s_h_e, s_h_k, i, K, HAS_BIAS, HAS_HISTORY,
+                    p_x, p_w, p_bias, p_hist, p_seq_idx, o_t, o_e, m_e, 0, T, m_all_rows, o_hist,
+                    s_x_t, s_x_e, s_w_e, s_w_k, s_h_e, s_h_k, i, K, HAS_BIAS, HAS_HISTORY, HAS_SEQ_IDX,
                 )  # fmt: skip
                 b_sig = tl.sigmoid(b_pre)
                 b_g = b_g * b_sig * (1.0 + b_pre * (1.0 - b_sig))
+            if HAS_SEQ_IDX and i > 0:  # x_t feeds g_{t+i} only within its sequence (always true at i == 0)
+                b_g = tl.where((_load_seq_idx(p_seq_idx, o_s, T) == b_seq_t)[:, None], b_g, 0.0)
             b_w = tl.load(p_w + o_e * s_w_e + (K - 1 - i) * s_w_k, mask=m_e, other=0.0).to(tl.float32)
             b_dx += b_g * b_w[None, :]
             if i == 0:
@@ -283,8 +328,8 @@ def _causal_conv1d_bwd_kernel(
                 b_dbias += tl.sum(b_g, axis=0)
                 for k in tl.static_range(K):
                     b_in = _load_inputs(
-                        p_x, p_hist, o_t, o_e, m_e, 0, T, m_all_rows, o_hist,
-                        s_x_t, s_x_e, s_h_e, s_h_k, k - (K - 1), K, HAS_HISTORY,
+                        p_x, p_hist, p_seq_idx, b_seq_t, o_t, o_e, m_e, 0, T, m_all_rows, o_hist,
+                        s_x_t, s_x_e, s_h_e, s_h_k, k - (K - 1), K, HAS_HISTORY, HAS_SEQ_IDX,
                     )  # fmt: skip
                     b_dw += tl.where(o_k[:, None] == k, tl.sum(b_g * b_in, axis=0)[None, :], 0.0)
         p_out = p_dx + o_t.to(tl.int64)[:, None] * s_dx_t + o_e[None, :]
@@ -320,6 +365,20 @@ def _check_training_inputs(x, weight, bias, initial_history) -> int:
     return width
 
 
+def _check_seq_idx(seq_idx: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """seq_idx as the kernels read it: a contiguous [B, T] int32 on x's device (a no-op when it already is one)."""
+    if seq_idx is None:
+        return None
+    if seq_idx.shape != x.shape[:2] or seq_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"seq_idx must be an int32 or int64 [B, T] = {tuple(x.shape[:2])}, got {tuple(seq_idx.shape)} "
+            f"{seq_idx.dtype}"
+        )
+    if seq_idx.device != x.device:
+        raise ValueError(f"seq_idx must be on x's device {x.device}, got {seq_idx.device}")
+    return seq_idx.to(torch.int32).contiguous()
+
+
 def causal_conv1d_fwd(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -328,15 +387,17 @@ def causal_conv1d_fwd(
     initial_history: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     *,
+    seq_idx: torch.Tensor | None = None,
     block_t: int | None = None,
     block_e: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Forward launcher of `causal_conv1d_fn`: x [B, T, E] (any strides: the `xs` half of the in_proj output is read in
-    place), weight [E, K], bias [E] or None, initial_history [B, E, K-1] or None. Returns y [B, T, E] contiguous in
-    x.dtype (written into `out` when given)."""
+    place), weight [E, K], bias [E] or None, initial_history [B, E, K-1] or None, seq_idx [B, T] int32/int64 or None.
+    Returns y [B, T, E] contiguous in x.dtype (written into `out` when given)."""
     check_activation(activation)
     width = _check_training_inputs(x, weight, bias, initial_history)
+    seq_idx = _check_seq_idx(seq_idx, x)
     batch_size, seq_len, num_channels = x.shape
     if out is None:
         out = torch.empty((batch_size, seq_len, num_channels), dtype=x.dtype, device=x.device)
@@ -353,13 +414,14 @@ def causal_conv1d_fwd(
     hist_strides = initial_history.stride() if initial_history is not None else (0, 0, 0)
     grid = (triton.cdiv(seq_len, block_t), triton.cdiv(num_channels, block_e), batch_size)
     _causal_conv1d_fwd_kernel[grid](
-        x, weight, bias, hist, out, None, None, None,
+        x, weight, bias, hist, out, None, None, None, seq_idx,
         seq_len, num_channels, 0, 0,
         *x.stride(), *weight.stride(), *hist_strides, *out.stride(),
         K=width,
         HAS_BIAS=bias is not None,
         HAS_HISTORY=initial_history is not None,
         IS_VARLEN=False,
+        HAS_SEQ_IDX=seq_idx is not None,
         SILU=activation == "silu",
         BLOCK_T=block_t,
         BLOCK_E=block_e,
@@ -376,15 +438,16 @@ def causal_conv1d_bwd(
     activation: str | None = "silu",
     initial_history: torch.Tensor | None = None,
     *,
+    seq_idx: torch.Tensor | None = None,
     block_t: int | None = None,
     block_e: int | None = None,
     num_warps: int | None = None,
     rows_per_program: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Backward launcher of `causal_conv1d_fn`: returns (dx [B, T, E] contiguous in x.dtype, dweight [E, K] in
-    weight.dtype, dbias [E] in bias.dtype or None).
+    """Backward launcher of `causal_conv1d_fn` (the forward's arguments, and dy [B, T, E]): returns (dx [B, T, E]
+    contiguous in x.dtype, dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None).
 
-    dweight and dbias are sums over B and T. Each program writes fp32 partial sums for its (sequence, row range,
+    dweight and dbias are sums over B and T. Each program writes fp32 partial sums for its (batch row, row range,
     channel block) and torch adds them up: deterministic (fp32 atomics would make every run differ in the last bits)
     and cheap, since each program walks `rows_per_program` rows (default: enough programs to fill the GPU a few times
     over, about 1024) so the partials stay a few MB at most.
@@ -393,6 +456,7 @@ def causal_conv1d_bwd(
     width = _check_training_inputs(x, weight, bias, initial_history)
     if dy.shape != x.shape:
         raise ValueError(f"dy must be {tuple(x.shape)}, got {tuple(dy.shape)}")
+    seq_idx = _check_seq_idx(seq_idx, x)
     batch_size, seq_len, num_channels = x.shape
     default_t, default_e, default_warps = _pick_blocks(num_channels, seq_len, 16, 128, per_thread=16)
     block_t, block_e, num_warps = block_t or default_t, block_e or default_e, num_warps or default_warps
@@ -405,7 +469,7 @@ def causal_conv1d_bwd(
     num_row_ranges = triton.cdiv(seq_len, rows_per_program) if seq_len else 0
 
     dx = torch.empty((batch_size, seq_len, num_channels), dtype=x.dtype, device=x.device)
-    # every (sequence, row range) row of the partials is written by the programs of its channel blocks
+    # every (batch row, row range) row of the partials is written by the programs of its channel blocks
     dw_partial = x.new_empty((batch_size * num_row_ranges, width, num_channels), dtype=torch.float32)
     dbias_partial = (
         x.new_empty((batch_size * num_row_ranges, num_channels), dtype=torch.float32) if bias is not None else None
@@ -415,13 +479,14 @@ def causal_conv1d_bwd(
         hist_strides = initial_history.stride() if initial_history is not None else (0, 0, 0)
         grid = (num_row_ranges, num_e_blocks, batch_size)
         _causal_conv1d_bwd_kernel[grid](
-            x, weight, bias, hist, dy, dx, dw_partial, dbias_partial,
+            x, weight, bias, hist, dy, dx, dw_partial, dbias_partial, seq_idx,
             seq_len, num_channels, rows_per_program,
             *x.stride(), *weight.stride(), *hist_strides, *dy.stride(), dx.stride(0), dx.stride(1),
             K=width,
             BLOCK_K=triton.next_power_of_2(width),
             HAS_BIAS=bias is not None,
             HAS_HISTORY=initial_history is not None,
+            HAS_SEQ_IDX=seq_idx is not None,
             SILU=activation == "silu",
             BLOCK_T=block_t,
             BLOCK_E=block_e,
@@ -433,19 +498,20 @@ def causal_conv1d_bwd(
 
 
 class CausalConv1dFunction(torch.autograd.Function):
-    """Autograd of the training conv. Saves only x (and the weights): the backward recomputes the pre-activation."""
+    """Autograd of the training conv. Saves only x (and the weights, history and seq_idx): the backward recomputes the
+    pre-activation. No gradient for the history or seq_idx."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, initial_history):
-        ctx.save_for_backward(x, weight, bias, initial_history)
+    def forward(ctx, x, weight, bias, activation, initial_history, seq_idx):
+        ctx.save_for_backward(x, weight, bias, initial_history, seq_idx)
         ctx.activation = activation
-        return causal_conv1d_fwd(x, weight, bias, activation, initial_history)
+        return causal_conv1d_fwd(x, weight, bias, activation, initial_history, seq_idx=seq_idx)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, bias, initial_history = ctx.saved_tensors
-        dx, dweight, dbias = causal_conv1d_bwd(x, weight, bias, dy, ctx.activation, initial_history)
-        return dx, dweight, dbias, None, None
+        x, weight, bias, initial_history, seq_idx = ctx.saved_tensors
+        dx, dweight, dbias = causal_conv1d_bwd(x, weight, bias, dy, ctx.activation, initial_history, seq_idx=seq_idx)
+        return dx, dweight, dbias, None, None, None
 
 
 def causal_conv1d_fn(
@@ -454,6 +520,7 @@ def causal_conv1d_fn(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     initial_history: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv1d for training, same contract as `causal_conv1d_ref`.
 
@@ -461,9 +528,17 @@ def causal_conv1d_fn(
     weight: [E, K]; bias: [E] or None; activation: None or "silu"; initial_history: [B, E, K-1] the inputs before
     x[:, 0] (a chunk continuing from the Transformers cache) or None for zeros. It gets NO gradient: the backward
     treats it as a constant (a cache entry), whatever its requires_grad.
+    seq_idx: [B, T] int32 or int64 (mamba_ssm's convention), the index of the sequence each token belongs to, for
+    padding-free training on rows that pack several sequences; None: one sequence per row. A tap reads only inputs of
+    its output token's sequence (zeros elsewhere) and the history belongs to the row's first sequence (it feeds token
+    t only if seq_idx[t] == seq_idx[0]); the backward follows the same rule, so each sequence's output, dx and its
+    share of dweight / dbias are those of the sequence run alone. Only equality is compared, as in the reference: the
+    indices need not start at 0 or increase, but each sequence must be one contiguous run of its row. Converted to
+    int32 (indices beyond the int32 range wrap); no gradient.
     Returns y [B, T, E] contiguous in x.dtype, differentiable in x, weight and bias (fp32 accumulation).
     """
-    return CausalConv1dFunction.apply(x, weight, bias, activation, initial_history)
+    seq_idx = _check_seq_idx(seq_idx, x) if x.dim() == 3 else seq_idx  # a bad x is reported by the forward
+    return CausalConv1dFunction.apply(x, weight, bias, activation, initial_history, seq_idx)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -579,13 +654,14 @@ def causal_conv1d_varlen_fwd(
     if num_tokens:
         grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(num_channels, block_e), 1)
         _causal_conv1d_fwd_kernel[grid](
-            x, weight, bias, conv_state, out, cu_seqlens, state_indices, has_initial_state,
+            x, weight, bias, conv_state, out, cu_seqlens, state_indices, has_initial_state, None,
             num_tokens, num_channels, num_seqs, (num_seqs - 1).bit_length(),
             0, *x.stride(), *weight.stride(), *conv_state.stride(), 0, *out.stride(),
             K=width,
             HAS_BIAS=bias is not None,
             HAS_HISTORY=True,
             IS_VARLEN=True,
+            HAS_SEQ_IDX=False,
             SILU=activation == "silu",
             BLOCK_T=block_t,
             BLOCK_E=block_e,
