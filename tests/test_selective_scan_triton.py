@@ -1,7 +1,9 @@
 """The Triton selective scan against its references (`selective_scan_ref`, `selective_scan_varlen_ref`), in Triton's
-interpreter on CPU machines: training forward + every gradient, and the serving prefill with its state cache."""
+interpreter on CPU machines: training forward + every gradient (also over packed rows, `seq_idx`), and the serving
+prefill with its state cache."""
 
 import importlib
+import itertools
 
 import pytest
 import torch
@@ -62,28 +64,28 @@ TRAIN_CASES = [  # batch, T, E, N, dtype of u/z/B/C, with initial state, chunk (
 ]
 
 
-@pytest.mark.parametrize(
-    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg,save_seg_states,bwd_block_e",
-    TRAIN_CASES,
-    ids=[
-        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}-chunk{c[6]}-seg{c[7]}"
-        f"-{'saved' if c[8] else 'recomputed'}-bwd_block_e{c[9]}"
-        for c in TRAIN_CASES
-    ],
-)
-def test_training_forward_backward(
-    scan, batch, seq_len, channels, state, dtype, with_initial, chunk, seg, save_seg_states, bwd_block_e
+def random_seq_idx(batch, seq_len, row0_starts, dtype, seed=3):
+    """[B, T] index of each token's sequence for packed rows: row 0 starts sequences exactly at `row0_starts`
+    (chosen per case: inside a chunk, at a chunk start, two in one chunk, length-1 sequences); the other rows at
+    random tokens (so rows differ). Indices increase from a random offset per row."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq_len, generator=g) < 0.25
+    starts[0] = False
+    starts[0, list(row0_starts)] = True
+    starts[:, 0] = False
+    return (starts.long().cumsum(1) + torch.randint(0, 5, (batch, 1), generator=g)).to(dtype)
+
+
+def check_training_against_reference(
+    scan, inputs, dtype, seq_idx=None, *, chunk, seg, save_seg_states, bwd_block_e=None
 ):
-    inputs = random_training_inputs(batch, seq_len, channels, state, dtype)
-    if not with_initial:
-        inputs["initial_state"] = None
+    """y, final state and every gradient of `selective_scan_fn` against `selective_scan_ref` in fp64 on the
+    kernel's (rounded) input values, the final state's gradient included."""
     low_precision = {"u", "z", "B", "C"}  # the model's bf16 activations; dt, A, D, state stay fp32
     names = [k for k, v in inputs.items() if v is not None]
-
-    # Reference in fp64 on the kernel's (rounded) input values.
     kernel_inputs = {k: (inputs[k].to(dtype) if k in low_precision else inputs[k].float()) for k in names}
     ref_inputs = {k: v.detach().double().requires_grad_() for k, v in kernel_inputs.items()}
-    y_ref, final_ref = selective_scan_ref(**ref_inputs)
+    y_ref, final_ref = selective_scan_ref(**ref_inputs, seq_idx=seq_idx)
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
     d_final = torch.randn(final_ref.shape, generator=g, dtype=torch.float64)
@@ -94,7 +96,14 @@ def test_training_forward_backward(
     xz.requires_grad_()
     u, z = xz.chunk(2, dim=-1)
     y, final = scan.selective_scan_fn(
-        u=u, z=z, **leaves, chunk=chunk, seg=seg, save_seg_states=save_seg_states, bwd_block_e=bwd_block_e
+        u=u,
+        z=z,
+        **leaves,
+        seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+        chunk=chunk,
+        seg=seg,
+        save_seg_states=save_seg_states,
+        bwd_block_e=bwd_block_e,
     )
     ((y.float() * dy.float().to(DEVICE)).sum() + (final * d_final.float().to(DEVICE)).sum()).backward()
 
@@ -110,6 +119,134 @@ def test_training_forward_backward(
         assert_close_scaled(leaf.grad.cpu(), ref_inputs[name].grad, tol, f"d{name}")
 
 
+@pytest.mark.parametrize(
+    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg,save_seg_states,bwd_block_e",
+    TRAIN_CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}-chunk{c[6]}-seg{c[7]}"
+        f"-{'saved' if c[8] else 'recomputed'}-bwd_block_e{c[9]}"
+        for c in TRAIN_CASES
+    ],
+)
+def test_training_forward_backward(
+    scan, batch, seq_len, channels, state, dtype, with_initial, chunk, seg, save_seg_states, bwd_block_e
+):
+    inputs = random_training_inputs(batch, seq_len, channels, state, dtype)
+    if not with_initial:
+        inputs["initial_state"] = None
+    check_training_against_reference(
+        scan, inputs, dtype, chunk=chunk, seg=seg, save_seg_states=save_seg_states, bwd_block_e=bwd_block_e
+    )
+
+
+PACKED_CASES = [  # as TRAIN_CASES, then row 0's sequence starts and seq_idx's dtype; with chunk 8, row 0 has a
+    # reset inside chunk 0, one exactly at chunk 1's start and two more in chunk 1 (token 11 alone: a length-1
+    # sequence), then (T26, T19) a chunk without a reset and (T21, T26) a length-1 last sequence; resets also fall
+    # on segment starts (seg 4). Rows other than 0 start sequences at random tokens.
+    (2, 13, 20, 16, torch.float32, False, None, 16, True, None, (1, 5, 6, 12), torch.int64),
+    (3, 7, 33, 5, torch.float32, True, None, 4, False, None, (4,), torch.int64),
+    (2, 21, 24, 8, torch.float32, True, 8, 4, False, 8, (3, 8, 11, 12, 20), torch.int32),
+    (2, 26, 18, 16, torch.float32, False, 8, 8, True, None, (3, 8, 11, 12, 25), torch.int64),
+    (2, 19, 24, 16, torch.bfloat16, True, 8, 4, True, None, (2, 8, 11, 12), torch.int32),
+    (2, 9, 18, 8, torch.bfloat16, False, None, 4, False, None, (3, 4), torch.int64),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,seq_len,channels,state,dtype,with_initial,chunk,seg,save_seg_states,bwd_block_e,row0_starts,idx_dtype",
+    PACKED_CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-{'init' if c[5] else 'zero'}-chunk{c[6]}-seg{c[7]}"
+        f"-{'saved' if c[8] else 'recomputed'}-bwd_block_e{c[9]}-starts{'_'.join(map(str, c[10]))}-{str(c[11])[6:]}"
+        for c in PACKED_CASES
+    ],
+)
+def test_training_packed_rows(
+    scan,
+    batch,
+    seq_len,
+    channels,
+    state,
+    dtype,
+    with_initial,
+    chunk,
+    seg,
+    save_seg_states,
+    bwd_block_e,
+    row0_starts,
+    idx_dtype,
+):
+    """Rows packing several sequences (`seq_idx`): the state restarts at every sequence start, forward and
+    backward, in every launch mode; the reference does the same with the same seq_idx."""
+    inputs = random_training_inputs(batch, seq_len, channels, state, dtype, seed=4)
+    if not with_initial:
+        inputs["initial_state"] = None
+    seq_idx = random_seq_idx(batch, seq_len, row0_starts, idx_dtype)
+    check_training_against_reference(
+        scan,
+        inputs,
+        dtype,
+        seq_idx,
+        chunk=chunk,
+        seg=seg,
+        save_seg_states=save_seg_states,
+        bwd_block_e=bwd_block_e,
+    )
+
+
+# The combine computes exp2(inf * 0) = NaN for the zero entry of A, then selects decay 0 instead; NumPy (the
+# interpreter) warns about the discarded NaN.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+@pytest.mark.parametrize("save_seg_states", [True, False], ids=["saved", "recomputed"])
+def test_training_packed_rows_equal_sequences_alone(scan, save_seg_states):
+    """A packed row computes exactly its sequences run alone: y and the input gradients are theirs concatenated,
+    dA and dD their sums, the final state (and its gradient's effect) the last sequence's, the initial state (and
+    its gradient) the first's. One entry of A is 0: a chunk with a reset must pass no carry (no NaN) even there."""
+    batch, seq_len, channels, state, chunk, seg = 2, 17, 16, 8, 8, 4
+    inputs = {k: v.float() for k, v in random_training_inputs(batch, seq_len, channels, state, None, seed=5).items()}
+    inputs["u"], inputs["z"] = inputs["u"].contiguous(), inputs["z"].contiguous()
+    inputs["A"][3, 2] = 0.0
+    seq_idx = random_seq_idx(batch, seq_len, (4, 8, 10, 11, 16), torch.int64, seed=6)
+    g = torch.Generator().manual_seed(7)
+    dy = torch.randn(batch, seq_len, channels, generator=g)
+    d_final = torch.randn(batch, channels, state, generator=g)
+    launch = {"chunk": chunk, "seg": seg, "save_seg_states": save_seg_states}
+
+    packed = {k: v.clone().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+    y, final = scan.selective_scan_fn(**packed, seq_idx=seq_idx.to(DEVICE), **launch)
+    ((y * dy.to(DEVICE)).sum() + (final * d_final.to(DEVICE)).sum()).backward()
+
+    alone = {k: v.clone().to(DEVICE).requires_grad_() for k, v in inputs.items()}
+    y_alone, final_alone, loss = torch.empty_like(y), torch.empty_like(final), 0.0
+    for b in range(batch):
+        bounds = torch.nonzero(seq_idx[b, 1:] != seq_idx[b, :-1]).flatten().add(1).tolist()
+        bounds = [0, *bounds, seq_len]
+        for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+            tokens = (slice(b, b + 1), slice(start, end))
+            y_i, final_i = scan.selective_scan_fn(
+                *(alone[k][tokens] for k in ("u", "dt")),
+                alone["A"],
+                *(alone[k][tokens] for k in ("B", "C")),
+                alone["D"],
+                alone["z"][tokens],
+                alone["initial_state"][b : b + 1] if i == 0 else None,
+                **launch,
+            )
+            y_alone[tokens] = y_i.detach()
+            loss = loss + (y_i * dy[tokens].to(DEVICE)).sum()
+            if end == seq_len:
+                final_alone[b] = final_i[0].detach()
+                loss = loss + (final_i[0] * d_final[b].to(DEVICE)).sum()
+    loss.backward()
+
+    tol = 1e-5
+    assert_close_scaled(y.detach().cpu(), y_alone.cpu(), tol, "y")
+    assert_close_scaled(final.detach().cpu(), final_alone.cpu(), tol, "final_state")
+    for name in inputs:
+        assert torch.isfinite(packed[name].grad).all(), name
+        assert_close_scaled(packed[name].grad.cpu(), alone[name].grad.cpu(), tol, f"d{name}")
+
+
 def test_training_rejects_bad_shapes(scan):
     inputs = {k: v.float() for k, v in random_training_inputs(1, 5, 8, 4, torch.float32).items()}
     with pytest.raises(ValueError, match="B"):
@@ -118,6 +255,14 @@ def test_training_rejects_bad_shapes(scan):
         scan.selective_scan_fn(**{**inputs, "initial_state": inputs["initial_state"][:, :4]})
     with pytest.raises(ValueError, match="chunk"):
         scan.selective_scan_fn(**inputs, chunk=12)
+
+
+def test_training_rejects_bad_seq_idx(scan):
+    inputs = {k: v.float() for k, v in random_training_inputs(2, 5, 8, 4, torch.float32).items()}
+    seq_idx = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, 1, 1]])
+    for bad in (seq_idx[:, :4], seq_idx[:1], seq_idx.flatten(), seq_idx.float(), seq_idx.bool()):
+        with pytest.raises(ValueError, match="seq_idx"):
+            scan.selective_scan_fn(**inputs, seq_idx=bad)
 
 
 VARLEN_CASES = [  # sequence lengths, cache dtype, chunk (None: one chunk per sequence), has_initial_state given

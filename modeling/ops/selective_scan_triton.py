@@ -23,6 +23,13 @@ writes the SEG states of that segment to the scratch and walks them backwards. A
 scratch region for every segment, so it stays in L2. The final state's gradient seeds the adjoint at the right
 edge.
 
+Packed training rows (`seq_idx` [B, T], padding-free training): where seq_idx[t] != seq_idx[t - 1] the state
+restarts, i.e. a_t = 0 at that step, in every loop that computes a decay (forward stages, the recompute, the
+backward's stages; the adjoint P_t = a_t * G_t then stops there too). The kernels read it under a constexpr flag,
+one scalar load per step (prefetched with the rest), and select the decay (no branch); without it they compile as
+before. A chunk in which a sequence starts (its first step included) passes none of its incoming carry: stage 0
+writes +inf as its dt sum, which the combine turns into decay 0 both ways.
+
 Every per-step loop prefetches: step t +- 1's loads are issued before step t's arithmetic and stores (the compiler
 may not move loads across stores to possibly aliasing pointers), so a program has two steps of loads in flight;
 many small programs per SM (one warp each by default) hide the rest of the latency.
@@ -97,6 +104,7 @@ def _selective_scan_fwd_kernel(
     p_chunk_h,
     p_chunk_dtsum,
     p_seg_h,
+    p_seq_idx,
     T,
     E,
     N,
@@ -127,6 +135,7 @@ def _selective_scan_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr,
     SAVE_SEG_H: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     SEG: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -136,7 +145,9 @@ def _selective_scan_fwd_kernel(
     into the chunk buffers [S, num_chunks, E, N] / [S, num_chunks, E]. STAGE 1: y for the chunk from its true start
     state (the chunk buffer after the combine when CHUNKED, else the sequence's initial state), and the final state
     when not CHUNKED (the combine writes it otherwise); SAVE_SEG_H (training): also the state entering every SEG-th
-    step, into `p_seg_h` [S, cdiv(T, SEG), E, N] fp32, the backward's recompute checkpoints."""
+    step, into `p_seg_h` [S, cdiv(T, SEG), E, N] fp32, the backward's recompute checkpoints. HAS_SEQ_IDX (training
+    rows only): `p_seq_idx` [B, T] int32 contiguous; a step whose token starts a new sequence has decay 0, and stage 0
+    writes +inf as the dt sum of a chunk with such a step (the combine passes none of its incoming carry)."""
     i_s, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
     t_start = i_c * chunk
@@ -178,6 +189,14 @@ def _selective_scan_fwd_kernel(
     p_y += i_s * s_y_b
     if SAVE_SEG_H:
         p_seg_h += i_s * tl.cdiv(T, SEG) * E * N
+    if HAS_SEQ_IDX:
+        # Step t keeps the state iff seq_idx[t] == seq_idx[t - 1]; the chunk's first step compares with the token
+        # before the chunk, and the row's first token with itself (always keeps: the initial state is the first
+        # sequence's).
+        p_seq_idx += i_s * T
+        seq_prev = tl.load(p_seq_idx + tl.maximum(t_start - 1, 0))
+        seq_cur = tl.load(p_seq_idx + t_start)
+        num_resets = tl.zeros([], dtype=tl.int32)
     # Prefetch (module docstring): step t + 1's loads are issued before step t's arithmetic and store of y.
     row = bos + t_start
     b_u = _load_row(p_u, row, s_u_t, o_e, m_e)
@@ -195,6 +214,8 @@ def _selective_scan_fwd_kernel(
         if STAGE == 1:
             b_z_next = _load_row(p_z, row + 1, s_z_t, o_e, m_e & has_next)
             b_Ct_next = _load_row(p_C, row + 1, s_C_t, o_n, m_n & has_next)
+        if HAS_SEQ_IDX:
+            seq_next = tl.load(p_seq_idx + t + 1, mask=has_next, other=0)
 
         if SAVE_SEG_H:
             if (t - t_start) % SEG == 0:
@@ -202,9 +223,16 @@ def _selective_scan_fwd_kernel(
                 tl.store(p_seg_h + o_seg + o_e[:, None] * N + o_n[None, :], b_h, mask=m_en)
         if DT_SOFTPLUS:
             b_dt = softplus(b_dt + b_dt_bias)
-        b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        b_a = tl.exp2(b_dt[:, None] * b_A2)
+        if HAS_SEQ_IDX:
+            keep = seq_cur == seq_prev
+            b_a = tl.where(keep, b_a, 0.0)
+            seq_prev, seq_cur = seq_cur, seq_next
+        b_h = b_a * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
         if STAGE == 0:
             b_dtsum += b_dt
+            if HAS_SEQ_IDX:
+                num_resets += tl.where(keep, 0, 1)
         else:
             b_y = (tl.sum(b_h * b_Ct[None, :], axis=1) + b_D * b_u) * b_z * tl.sigmoid(b_z)
             b_y = tl.where(is_real, b_y, 0.0)
@@ -213,6 +241,10 @@ def _selective_scan_fwd_kernel(
         b_u, b_dt, b_Bt = b_u_next, b_dt_next, b_Bt_next
 
     if STAGE == 0:
+        if HAS_SEQ_IDX:
+            # The chunk's total decay is 0 when a sequence starts in it (its first step included): +inf marks it
+            # for the combine, which then selects decay 0 (exp2(inf * A2) itself would be NaN where A = 0).
+            b_dtsum = tl.where(num_resets > 0, float("inf"), b_dtsum)
         tl.store(p_chunk_h + o_chunk_h, b_h, mask=m_en)
         tl.store(p_chunk_dtsum + o_chunk * E + o_e, b_dtsum, mask=m_e)
     elif not CHUNKED:
@@ -246,6 +278,7 @@ def _selective_scan_chunk_combine_kernel(
     STORE_LAST: tl.constexpr,
     USE_STATE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -254,7 +287,8 @@ def _selective_scan_chunk_combine_kernel(
         carry_in(next) = exp(A * dtsum(chunk)) * carry_in(chunk) + zero_start_carry(chunk),
     starting from `p_first` (initial state, or the final state's gradient) and storing what leaves the last chunk
     into `p_last` (final state, or the initial state's gradient). The same recurrence serves forward and backward
-    because a chunk's decay is the same both ways."""
+    because a chunk's decay is the same both ways. HAS_SEQ_IDX: a dt sum of +inf (forward stage 0: a sequence
+    starts in the chunk) means decay 0, in both directions (the adjoint through a reset step is 0 too)."""
     i_s, i_e = tl.program_id(0), tl.program_id(1)
     _, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
     chunks_in_seq = tl.cdiv(seq_len, chunk)
@@ -294,7 +328,10 @@ def _selective_scan_chunk_combine_kernel(
         b_local_next = tl.load(p_chunk_h + i_next * E * N + o_blk, mask=m_en & has_next, other=0.0)
         b_dtsum_next = tl.load(p_chunk_dtsum + i_next * E + o_e, mask=m_e & has_next, other=0.0)
         tl.store(p_chunk_h + i_c * E * N + o_blk, b_carry, mask=m_en)
-        b_carry = tl.exp2(b_dtsum[:, None] * b_A2) * b_carry + b_local
+        b_decay = tl.exp2(b_dtsum[:, None] * b_A2)
+        if HAS_SEQ_IDX:
+            b_decay = tl.where(b_dtsum[:, None] == float("inf"), 0.0, b_decay)
+        b_carry = b_decay * b_carry + b_local
         b_local, b_dtsum, i_c = b_local_next, b_dtsum_next, i_next
 
     if STORE_LAST:
@@ -320,22 +357,34 @@ def _recompute_states(
     t_hi,
     p_seg,
     o_blk,
+    p_seq_idx,
     STORE: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
     """Walks the state forward over steps [t_lo, t_hi) (loads prefetched one step ahead) and returns it; STORE:
-    also writes each step's incoming state h_{t-1} to `p_seg + (t - t_lo) * block + o_blk`."""
+    also writes each step's incoming state h_{t-1} to `p_seg + (t - t_lo) * block + o_blk`. HAS_SEQ_IDX: decay 0
+    where seq_idx (`p_seq_idx`: this row's) changes, as in the forward."""
     b_u = _load_row(p_u, t_lo, s_u_t, o_e, m_e)
     b_dt = _load_row(p_dt, t_lo, s_dt_t, o_e, m_e)
     b_Bt = _load_row(p_B, t_lo, s_B_t, o_n, m_n)
+    if HAS_SEQ_IDX:
+        seq_prev = tl.load(p_seq_idx + tl.maximum(t_lo - 1, 0))
+        seq_cur = tl.load(p_seq_idx + t_lo)
     for t in tl.range(t_lo, t_hi, loop_unroll_factor=UNROLL):
         has_next = t + 1 < t_hi
         b_u_next = _load_row(p_u, t + 1, s_u_t, o_e, m_e & has_next)
         b_dt_next = _load_row(p_dt, t + 1, s_dt_t, o_e, m_e & has_next)
         b_Bt_next = _load_row(p_B, t + 1, s_B_t, o_n, m_n & has_next)
+        if HAS_SEQ_IDX:
+            seq_next = tl.load(p_seq_idx + t + 1, mask=has_next, other=0)
         if STORE:
             tl.store(p_seg + (t - t_lo) * b_h.numel + o_blk, b_h)
-        b_h = tl.exp2(b_dt[:, None] * b_A2) * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
+        b_a = tl.exp2(b_dt[:, None] * b_A2)
+        if HAS_SEQ_IDX:
+            b_a = tl.where(seq_cur == seq_prev, b_a, 0.0)
+            seq_prev, seq_cur = seq_cur, seq_next
+        b_h = b_a * b_h + (b_dt * b_u)[:, None] * b_Bt[None, :]
         b_u, b_dt, b_Bt = b_u_next, b_dt_next, b_Bt_next
     return b_h
 
@@ -364,6 +413,7 @@ def _selective_scan_bwd_kernel(
     p_dC_part,
     p_dA_part,
     p_dD_part,
+    p_seq_idx,
     T,
     E,
     N,
@@ -385,6 +435,7 @@ def _selective_scan_bwd_kernel(
     HAS_H0: tl.constexpr,
     HAS_DHT: tl.constexpr,
     SEG_H_SAVED: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr,
     CHUNK: tl.constexpr,
     SEG: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -398,7 +449,9 @@ def _selective_scan_bwd_kernel(
     the segment checkpoints come from the forward (`p_seg_h` [B, cdiv(T, SEG), E, N]) when SEG_H_SAVED, else from
     a recompute pass over the chunk into the scratch.
     Gradient buffers are contiguous: du, ddt, dz [B, T, E]; dB/dC partials [E / BLOCK_E, B, T, N]; dA partials
-    [B, num_chunks, E, N]; dD partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED)."""
+    [B, num_chunks, E, N]; dD partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED).
+    HAS_SEQ_IDX: `p_seq_idx` [B, T] int32; a_t = 0 where a sequence starts (t > 0, seq_idx[t] != seq_idx[t - 1]),
+    as in the forward, so nothing of the adjoint crosses back into the previous sequence."""
     i_b, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t_start = i_c * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
@@ -420,6 +473,8 @@ def _selective_scan_bwd_kernel(
     p_B += i_b * s_B_b
     p_C += i_b * s_C_b
     p_dy += i_b * s_dy_b
+    if HAS_SEQ_IDX:
+        p_seq_idx += i_b * T
 
     if STAGE == 0:
         b_P = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
@@ -428,6 +483,8 @@ def _selective_scan_bwd_kernel(
         b_z = _load_row(p_z, t, s_z_t, o_e, m_e)
         b_dy = _load_row(p_dy, t, s_dy_t, o_e, m_e)
         b_Ct = _load_row(p_C, t, s_C_t, o_n, m_n)
+        if HAS_SEQ_IDX:
+            seq_cur = tl.load(p_seq_idx + t)
         for i in tl.range(t_end - t_start, loop_unroll_factor=UNROLL):
             t = t_end - 1 - i
             has_next = t > t_start  # prefetch step t - 1, as in the forward
@@ -435,8 +492,16 @@ def _selective_scan_bwd_kernel(
             b_z_next = _load_row(p_z, t - 1, s_z_t, o_e, m_e & has_next)
             b_dy_next = _load_row(p_dy, t - 1, s_dy_t, o_e, m_e & has_next)
             b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
+            if HAS_SEQ_IDX:
+                # Token t - 1's index: step t's keep, then step t - 1's own. Loaded at the chunk's first step too
+                # (the token before the chunk); the row's first token compares with itself (keeps).
+                seq_prev = tl.load(p_seq_idx + tl.maximum(t - 1, 0))
             b_G = (b_dy * b_z * tl.sigmoid(b_z))[:, None] * b_Ct[None, :] + b_P
-            b_P = tl.exp2(b_dt[:, None] * b_A2) * b_G
+            b_a = tl.exp2(b_dt[:, None] * b_A2)
+            if HAS_SEQ_IDX:
+                b_a = tl.where(seq_cur == seq_prev, b_a, 0.0)
+                seq_cur = seq_prev
+            b_P = b_a * b_G
             b_dt, b_z, b_dy, b_Ct = b_dt_next, b_z_next, b_dy_next, b_Ct_next
         tl.store(p_chunk_dh + o_chunk_h, b_P, mask=m_en)
     else:
@@ -483,7 +548,9 @@ def _selective_scan_bwd_kernel(
                     tl.minimum(seg_start + SEG, t_end),
                     p_seg,
                     o_blk,
+                    p_seq_idx,
                     STORE=False,
+                    HAS_SEQ_IDX=HAS_SEQ_IDX,
                     UNROLL=UNROLL,
                 )
 
@@ -518,7 +585,9 @@ def _selective_scan_bwd_kernel(
                 seg_end,
                 p_seg,
                 o_blk,
+                p_seq_idx,
                 STORE=True,
+                HAS_SEQ_IDX=HAS_SEQ_IDX,
                 UNROLL=UNROLL,
             )
             tl.debug_barrier()
@@ -530,6 +599,8 @@ def _selective_scan_bwd_kernel(
             b_dy = _load_row(p_dy, t, s_dy_t, o_e, m_e)
             b_Bt = _load_row(p_B, t, s_B_t, o_n, m_n)
             b_Ct = _load_row(p_C, t, s_C_t, o_n, m_n)
+            if HAS_SEQ_IDX:
+                seq_cur = tl.load(p_seq_idx + t)
             for i in tl.range(seg_end - seg_start, loop_unroll_factor=UNROLL):
                 t = seg_end - 1 - i
                 has_next = t > seg_start  # prefetch step t - 1
@@ -542,8 +613,13 @@ def _selective_scan_bwd_kernel(
                 b_dy_next = _load_row(p_dy, t - 1, s_dy_t, o_e, m_e & has_next)
                 b_Bt_next = _load_row(p_B, t - 1, s_B_t, o_n, m_n & has_next)
                 b_Ct_next = _load_row(p_C, t - 1, s_C_t, o_n, m_n & has_next)
+                if HAS_SEQ_IDX:
+                    seq_prev = tl.load(p_seq_idx + tl.maximum(t - 1, 0))  # as in stage 0
 
                 b_a = tl.exp2(b_dt[:, None] * b_A2)
+                if HAS_SEQ_IDX:
+                    b_a = tl.where(seq_cur == seq_prev, b_a, 0.0)
+                    seq_cur = seq_prev
                 b_ah = b_a * b_h_prev  # [BLOCK_E, BLOCK_N]
                 b_h = b_ah + (b_dt * b_u)[:, None] * b_Bt[None, :]
                 b_sig = tl.sigmoid(b_z)
@@ -662,14 +738,16 @@ def _scan_forward(
     has_initial_state=None,
     dt_bias=None,
     seg_states=None,
+    seq_idx=None,
 ):
     """Forward launcher shared by training and serving. u, dt, z, y: [B, T, E] or packed [T_total, E] (then
     `cu_seqlens` [S + 1] delimits the sequences); B, C likewise with N; initial_state / final_state: [rows, E, N]
     any strides, indexed by `state_indices` [S] (negative = padding sequence) or by batch row, and the same tensor
     when the cache is updated in place; `has_initial_state` [S] bool masks the initial-state read per sequence;
-    `seg_states` [S, cdiv(T, seg), E, N] fp32 (training only) receives the backward's segment checkpoints.
+    `seg_states` [S, cdiv(T, seg), E, N] fp32 (training only) receives the backward's segment checkpoints;
+    `seq_idx` [B, T] contiguous int32 (training only) restarts the state where it changes.
     Returns the chunk start states [S, num_chunks, E, N] fp32 (None when one chunk covers every sequence) and the
-    chunks' sums of dt [S, num_chunks, E], which the backward reuses."""
+    chunks' sums of dt [S, num_chunks, E] (+inf for a chunk in which a sequence starts), which the backward reuses."""
     num_channels, state_size = A.shape
     num_chunks = triton.cdiv(max_seq_len, blocks.chunk)
     chunked = num_chunks > 1
@@ -709,6 +787,7 @@ def _scan_forward(
             p_chunk_h=chunk_h if chunked else dummy,
             p_chunk_dtsum=chunk_dtsum if chunked else dummy,
             p_seg_h=seg_states if seg_states is not None and stage == 1 else dummy,
+            p_seq_idx=seq_idx if seq_idx is not None else dummy,
             T=seq_len,
             E=num_channels,
             N=state_size,
@@ -737,6 +816,7 @@ def _scan_forward(
             HAS_H0=initial_state is not None,
             DT_SOFTPLUS=dt_bias is not None,
             SAVE_SEG_H=seg_states is not None and stage == 1,
+            HAS_SEQ_IDX=seq_idx is not None,
             SEG=blocks.seg,
             UNROLL=blocks.unroll,
             **optional,
@@ -766,6 +846,7 @@ def _scan_forward(
             REVERSE=False,
             HAS_FIRST=initial_state is not None,
             STORE_LAST=True,
+            HAS_SEQ_IDX=seq_idx is not None,
             **optional,
             **meta,
         )
@@ -774,11 +855,25 @@ def _scan_forward(
 
 
 def _scan_backward(
-    u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, seg_states, blocks: ScanBlocks
+    u,
+    dt,
+    A,
+    B,
+    C,
+    D,
+    z,
+    dy,
+    initial_state,
+    d_final_state,
+    chunk_h,
+    chunk_dtsum,
+    seg_states,
+    seq_idx,
+    blocks: ScanBlocks,
 ):
     """Backward launcher (training layout [B, T, E]); chunk_h / chunk_dtsum as `_scan_forward` returned them,
-    seg_states as it filled them (or None: the backward recomputes them). Returns (du, ddt, dA, dB, dC, dD, dz,
-    d_initial_state) in the dtypes of the inputs."""
+    seg_states as it filled them (or None: the backward recomputes them), seq_idx as the forward got it (or None).
+    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state) in the dtypes of the inputs."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = triton.next_power_of_2(state_size)
@@ -827,6 +922,7 @@ def _scan_backward(
             dC_part,
             dA_part,
             dD_part,
+            seq_idx if seq_idx is not None else dummy,
             seq_len,
             num_channels,
             state_size,
@@ -848,6 +944,7 @@ def _scan_backward(
             HAS_H0=initial_state is not None,
             HAS_DHT=d_final_state is not None,
             SEG_H_SAVED=seg_states is not None,
+            HAS_SEQ_IDX=seq_idx is not None,
             CHUNK=blocks.chunk,
             SEG=blocks.seg,
             UNROLL=blocks.unroll,
@@ -879,6 +976,7 @@ def _scan_backward(
             STORE_LAST=d_initial is not None,
             USE_STATE_INDICES=False,
             IS_VARLEN=False,
+            HAS_SEQ_IDX=seq_idx is not None,
             **meta,
         )
     launch_stage(1)
@@ -893,7 +991,7 @@ class SelectiveScanFn(torch.autograd.Function):
     """Training scan; the final state's gradient flows too (it seeds the adjoint at the right edge)."""
 
     @staticmethod
-    def forward(ctx, u, dt, A, B, C, D, z, initial_state, blocks: ScanBlocks):
+    def forward(ctx, u, dt, A, B, C, D, z, initial_state, seq_idx, blocks: ScanBlocks):
         batch_size, seq_len, num_channels = u.shape
         y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
         final_state = u.new_empty(batch_size, num_channels, A.shape[-1], dtype=torch.float32)
@@ -918,22 +1016,37 @@ class SelectiveScanFn(torch.autograd.Function):
             seq_len=seq_len,
             max_seq_len=seq_len,
             seg_states=seg_states,
+            seq_idx=seq_idx,
         )
-        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states)
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx)
         ctx.blocks = blocks
         return y, final_state
 
     @staticmethod
     def backward(ctx, dy, d_final_state):
-        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states = ctx.saved_tensors
+        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx = ctx.saved_tensors
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         if d_final_state is not None:
             d_final_state = d_final_state.float().contiguous()
         grads = _scan_backward(
-            u, dt, A, B, C, D, z, dy, initial_state, d_final_state, chunk_h, chunk_dtsum, seg_states, ctx.blocks
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dy,
+            initial_state,
+            d_final_state,
+            chunk_h,
+            chunk_dtsum,
+            seg_states,
+            seq_idx,
+            ctx.blocks,
         )
-        return *grads, None
+        return *grads, None, None  # no gradient for seq_idx and the launch shape
 
 
 def selective_scan_fn(
@@ -945,6 +1058,7 @@ def selective_scan_fn(
     D: torch.Tensor,
     z: torch.Tensor,
     initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
     *,
     block_e: int | None = None,
     chunk: int | None = None,
@@ -961,7 +1075,11 @@ def selective_scan_fn(
         u, dt, z: [B, T, E], any float dtypes (may differ); strided views with a contiguous last dimension (the
             halves of one [B, T, 2E] tensor) are read in place.
         A: [E, N] (fp32). B, C: [B, T, N]. D: [E].
-        initial_state: [B, E, N] or None (zeros).
+        initial_state: [B, E, N] or None (zeros); with seq_idx, the state before the row's first sequence.
+        seq_idx: [B, T] int32 or int64 (values in int32 range) index of the sequence of every token, for rows that
+            pack several sequences (padding-free training, mamba_ssm's convention): where it changes between two
+            consecutive tokens the state restarts from zero, forward and backward; the final state is that of the
+            row's last sequence. None: one sequence per row. Not differentiable.
         block_e, chunk, seg, unroll, num_warps, bwd_num_warps, bwd_block_e: launch shape (`ScanBlocks`); None picks
             it from the shapes.
         save_seg_states: keep every seg-th state from the forward for the backward (`ScanBlocks`): faster backward,
@@ -987,6 +1105,12 @@ def selective_scan_fn(
                 f"initial_state: expected {(batch_size, num_channels, state_size)}, got {tuple(initial_state.shape)}"
             )
         initial_state = initial_state.float().contiguous()
+    if seq_idx is not None:
+        if tuple(seq_idx.shape) != (batch_size, seq_len):
+            raise ValueError(f"seq_idx: expected shape [B, T] = {(batch_size, seq_len)}, got {tuple(seq_idx.shape)}")
+        if seq_idx.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seq_idx: expected an int32 or int64 tensor, got {seq_idx.dtype}")
+        seq_idx = seq_idx.to(torch.int32).contiguous()  # the kernels read row b, token t at `b * T + t`
     blocks = _pick_blocks(
         batch_size,
         seq_len,
@@ -1011,7 +1135,7 @@ def selective_scan_fn(
             else u.new_zeros(batch_size, num_channels, state_size, dtype=torch.float32)
         )
         return torch.empty_like(u), final_state
-    return SelectiveScanFn.apply(u, dt, A.contiguous(), B, C, D.contiguous(), z, initial_state, blocks)
+    return SelectiveScanFn.apply(u, dt, A.contiguous(), B, C, D.contiguous(), z, initial_state, seq_idx, blocks)
 
 
 def selective_scan_varlen_fwd(
