@@ -64,13 +64,13 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint_io import load_tensors  # noqa: E402
-from configuration import HybridConfig  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
 from provenance import head_commit  # noqa: E402
 from train import TRAINING_MODES, is_ssm_parameter, prepare_trainable, train  # noqa: E402
 from upcycle import upcycle  # noqa: E402
 
+from configuration import HybridConfig  # noqa: E402
+from modeling import HybridForCausalLM  # noqa: E402
+from modeling.checkpoint_io import load_tensors  # noqa: E402
 
 MODELS = ("hybrid", "swa", "full", "upcycled", "distilled", "distilled-swa")
 FROM_TEACHER = ("upcycled", "distilled", "distilled-swa")  # built from a trained `full`

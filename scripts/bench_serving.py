@@ -11,7 +11,7 @@ The models, random weights, the same shapes (hidden 2048, 24 layers, 16 heads, 4
   llama   the same model with full attention and no SSM branch (LlamaForCausalLM)
   swa     the same model with window-2048 attention only, Mistral-style (MistralForCausalLM, every layer sliding)
   hybrid-v2  the hybrid's checkpoint served on vLLM's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`; GPU only)
-Each is saved with `save_pretrained` (the hybrid then converted by `convert_to_vllm.py`) and served by vLLM in its
+Each is saved with `save_pretrained` (the hybrid then converted by vllm_integration/convert.py) and served by vLLM in its
 own process, the baselines by vLLM's default attention backend. vLLM 0.26 picks its model runner per model: Model
 Runner V2 (input preparation on the GPU) for the attention-only baselines, the V1 runner for every attention + Mamba
 hybrid (ours, Jamba, Falcon-H1) unless `VLLM_USE_V2_MODEL_RUNNER=1` asks for V2. The results record which runner and
@@ -165,10 +165,10 @@ def baseline_config(name: str, hybrid):
 
 def write_checkpoint(name: str, root: Path, shape: dict, max_len: int) -> Path:
     """The model directory vLLM loads; built once per shape (random weights), reused after."""
-    import convert_to_vllm
     from transformers import LlamaForCausalLM, MistralForCausalLM
 
     from modeling import HybridForCausalLM
+    from vllm_integration.convert import convert_checkpoint
 
     target = root / name
     if (target / "config.json").exists():
@@ -180,8 +180,7 @@ def write_checkpoint(name: str, root: Path, shape: dict, max_len: int) -> Path:
     dtype = getattr(torch, shape["dtype"])
     if name == "hybrid":
         HybridForCausalLM(hybrid).to(dtype).save_pretrained(root / "hybrid-hf")
-        if convert_to_vllm.main([str(root / "hybrid-hf"), str(target), "--dtype", shape["dtype"]]) != 0:
-            raise RuntimeError("converting the hybrid checkpoint failed")
+        convert_checkpoint(root / "hybrid-hf", target, shape["dtype"])
     else:
         model_class = LlamaForCausalLM if name == "llama" else MistralForCausalLM
         model_class(baseline_config(name, hybrid)).to(dtype).save_pretrained(target)

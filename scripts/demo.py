@@ -16,12 +16,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import convert_to_vllm  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
 from recall_task import QUERY, RecallTask, recall_accuracy  # noqa: E402
 from train import small_recall_config, train  # noqa: E402
 from vllm_server import post_json, running_server  # noqa: E402
 
+from modeling import HybridForCausalLM  # noqa: E402
+from vllm_integration.convert import convert_checkpoint  # noqa: E402
 
 MODELS = {"hybrid": ("hybrid (SWA + SSM)", True), "control": ("control (SWA only)", False)}
 
@@ -113,8 +113,7 @@ def main():
     print(f"\nSaved the trained hybrid and its tokenizer to {hf_dir}")
     if args.skip_serving:
         return
-    if convert_to_vllm.main([str(hf_dir), str(vllm_dir), "--force"]) != 0:
-        raise SystemExit(1)
+    convert_checkpoint(hf_dir, vllm_dir, force=True)
     serve_and_ask(task, tokenizer, vllm_dir, args.output_dir / "vllm-server.log", args.seed)
     print(
         "\nThis task is synthetic. Language modelling on real text (the hybrid against sliding-window attention and "

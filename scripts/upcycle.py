@@ -34,7 +34,9 @@ from transformers import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from checkpoint_io import (  # noqa: E402
+from configuration import HybridConfig  # noqa: E402
+from modeling import HybridForCausalLM  # noqa: E402
+from modeling.checkpoint_io import (  # noqa: E402
     DTYPES,
     CheckpointError,
     check_tensors,
@@ -46,9 +48,6 @@ from checkpoint_io import (  # noqa: E402
     state_dict_shapes,
     write_directory_atomically,
 )
-
-from configuration import HybridConfig  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
 from modeling.modeling_hybrid import HybridRotaryEmbedding  # noqa: E402
 
 SOURCES = {

@@ -108,7 +108,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
 def converted_tiny_hybrid(root: Path, tokenizer, window: int) -> tuple[HybridForCausalLM, Path]:
     """A tiny fp32 hybrid for vLLM (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs) with random
     weights everywhere, saved with `tokenizer` to `root / "hf"` and converted to `root / "vllm"`."""
-    import convert_to_vllm
+    from vllm_integration.convert import convert_checkpoint
 
     torch.manual_seed(0)
     config = tiny_config(
@@ -122,7 +122,7 @@ def converted_tiny_hybrid(root: Path, tokenizer, window: int) -> tuple[HybridFor
     model = randomize_(HybridForCausalLM(config)).eval()
     model.save_pretrained(root / "hf")
     tokenizer.save_pretrained(root / "hf")
-    assert convert_to_vllm.main([str(root / "hf"), str(root / "vllm"), "--dtype", "float32"]) == 0
+    convert_checkpoint(root / "hf", root / "vllm", "float32")
     return model, root / "vllm"
 
 

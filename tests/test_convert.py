@@ -1,16 +1,28 @@
-"""scripts/convert_to_vllm.py: the exact tensor mapping, and every kind of bad input refused cleanly."""
+"""The vLLM converter (vllm_integration/convert.py, CLI scripts/convert_to_vllm.py): the exact tensor mapping, and
+every kind of bad input refused cleanly."""
 
 import json
 import subprocess
 import sys
 
-import convert_to_vllm
 import pytest
 import torch
 from conftest import REPO_ROOT, randomize_, tiny_config
 from safetensors.torch import load_file, save_file
 
 from modeling import HybridForCausalLM
+from vllm_integration import convert
+
+
+SSM_CAST_TENSORS = (
+    "in_proj.weight",
+    "conv1d.weight",
+    "conv1d.bias",
+    "x_proj.weight",
+    "dt_proj.weight",
+    "dt_proj.bias",
+    "out_proj.weight",
+)
 
 
 @pytest.fixture
@@ -36,7 +48,7 @@ def assert_refused(returncode: int, stderr: str, message: str) -> None:
 
 def test_conversion_maps_every_tensor(hf_dir, tmp_path):
     out = tmp_path / "vllm"
-    assert convert_to_vllm.main([str(hf_dir), str(out), "--dtype", "bfloat16"]) == 0
+    assert convert.main([str(hf_dir), str(out), "--dtype", "bfloat16"]) == 0
     src = load_file(hf_dir / "model.safetensors")
     dst = load_file(out / "model.safetensors")
     config = tiny_config()
@@ -57,20 +69,14 @@ def test_conversion_maps_every_tensor(hf_dir, tmp_path):
                     torch.cat([src[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
                 ),
                 p + "self_attn.o_proj.weight": bf16(src[p + "self_attn.o_proj.weight"]),
-                p + "self_attn.in_proj.weight": bf16(src[s + "in_proj.weight"]),
-                p + "self_attn.out_proj.weight": bf16(src[s + "out_proj.weight"]),
+                # The SSM tensors keep their names and values (vLLM's loader maps them), A_log and D in fp32.
+                **{s + name: bf16(src[s + name]) for name in SSM_CAST_TENSORS},
+                s + "A_log": src[s + "A_log"].float(),
+                s + "D": src[s + "D"].float(),
                 p + "mlp.gate_up_proj.weight": bf16(
                     torch.cat([src[p + "mlp.gate_proj.weight"], src[p + "mlp.up_proj.weight"]])
                 ),
                 p + "mlp.down_proj.weight": bf16(src[p + "mlp.down_proj.weight"]),
-                p + "self_attn.attn.ssm.conv1d_weight": bf16(src[s + "conv1d.weight"].squeeze(1)),
-                p + "self_attn.attn.ssm.conv1d_bias": bf16(src[s + "conv1d.bias"]),
-                p + "self_attn.attn.ssm.x_proj.weight": bf16(src[s + "x_proj.weight"]),
-                p + "self_attn.attn.ssm.dt_proj.weight": bf16(src[s + "dt_proj.weight"]),
-                p + "self_attn.attn.ssm.dt_proj.bias": bf16(src[s + "dt_proj.bias"]),
-                # A = -exp(A_log), computed once, kept in fp32 like D.
-                p + "self_attn.attn.ssm.A": -torch.exp(src[s + "A_log"].double()).float(),
-                p + "self_attn.attn.ssm.D": src[s + "D"].float(),
             }
         )
     assert set(dst) == set(expected)
@@ -85,7 +91,7 @@ def test_conversion_maps_every_tensor(hf_dir, tmp_path):
 
 def test_tied_embeddings_write_no_lm_head(tmp_path):
     HybridForCausalLM(tiny_config(tie_word_embeddings=True)).save_pretrained(tmp_path / "hf")
-    assert convert_to_vllm.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
     assert "lm_head.weight" not in load_file(tmp_path / "out" / "model.safetensors")
 
 
@@ -158,7 +164,7 @@ CORRUPTIONS = {
     ),
     "A overflows": (
         lambda d: corrupt_tensors(d, lambda t: t[A_LOG].__setitem__((0, 0), 100.0)),
-        "model.layers.0.self_attn.attn.ssm.A = -exp(A_log) overflows float32",
+        "model.layers.0.self_attn.ssm.A_log: A = -exp(A_log) overflows float32",
     ),
     "float16 overflow": (
         lambda d: corrupt_tensors(d, lambda t: t[NORM].__setitem__(0, 1e6)),
@@ -216,7 +222,7 @@ def test_corrupted_input_is_refused_with_one_line_and_no_output(hf_dir, tmp_path
     corrupt, message, *args = CORRUPTIONS[kind]
     corrupt(hf_dir)
     out = tmp_path / "out"
-    returncode = convert_to_vllm.main([str(hf_dir), str(out), *(args[0] if args else ())])
+    returncode = convert.main([str(hf_dir), str(out), *(args[0] if args else ())])
     assert_refused(returncode, capsys.readouterr().err, message)
     assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "a temporary directory was left behind"
@@ -230,8 +236,8 @@ def test_whatever_the_config_class_raises_is_one_error_line(hf_dir, tmp_path, er
     def from_dict(raw):
         raise error
 
-    monkeypatch.setattr(convert_to_vllm.HybridConfig, "from_dict", from_dict)
-    returncode = convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")])
+    monkeypatch.setattr(convert.HybridConfig, "from_dict", from_dict)
+    returncode = convert.main([str(hf_dir), str(tmp_path / "out")])
     assert_refused(
         returncode, capsys.readouterr().err, f"config.json: not a valid HybridConfig ({type(error).__name__}"
     )
@@ -245,8 +251,8 @@ def test_a_config_that_builds_no_model_is_one_error_line(hf_dir, tmp_path, monke
     def no_model(config):
         raise KeyError("bogus")
 
-    monkeypatch.setattr(convert_to_vllm, "HybridForCausalLM", no_model)
-    returncode = convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")])
+    monkeypatch.setattr(convert, "HybridForCausalLM", no_model)
+    returncode = convert.main([str(hf_dir), str(tmp_path / "out")])
     assert_refused(
         returncode, capsys.readouterr().err, "config.json: the model cannot be built from it (KeyError: 'bogus')"
     )
@@ -264,9 +270,9 @@ def test_the_error_is_the_first_and_only_stderr_line_of_the_script(hf_dir, tmp_p
 
 
 def test_a_sharded_checkpoint_converts_as_the_unsharded_one(hf_dir, tmp_path):
-    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "whole")]) == 0
+    assert convert.main([str(hf_dir), str(tmp_path / "whole")]) == 0
     shard(hf_dir)
-    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "sharded")]) == 0
+    assert convert.main([str(hf_dir), str(tmp_path / "sharded")]) == 0
     whole, sharded = (
         load_file(tmp_path / "whole" / "model.safetensors"),
         load_file(tmp_path / "sharded" / "model.safetensors"),
@@ -276,11 +282,11 @@ def test_a_sharded_checkpoint_converts_as_the_unsharded_one(hf_dir, tmp_path):
 
 def test_a_float64_checkpoint_is_written_as_float32(hf_dir, tmp_path, capsys):
     corrupt_tensors(hf_dir, lambda t: t.update({name: tensor.double() for name, tensor in t.items()}))
-    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "out")]) == 0
+    assert convert.main([str(hf_dir), str(tmp_path / "out")]) == 0
     assert "float64 checkpoint: writing float32" in capsys.readouterr().out
     assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
-    assert convert_to_vllm.main([str(hf_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert convert.main([str(hf_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert "float64 checkpoint" not in capsys.readouterr().out
     assert load_file(tmp_path / "bf16" / "model.safetensors")[EMBED].dtype == torch.bfloat16
 
@@ -299,7 +305,7 @@ def test_an_output_overlapping_the_input_is_refused_even_with_force(tmp_path, wh
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()  # save_pretrained's progress bar
     out, message = OVERLAPS[where]
-    returncode = convert_to_vllm.main([str(hf_dir), str(out(hf_dir)), "--force"])
+    returncode = convert.main([str(hf_dir), str(out(hf_dir)), "--force"])
     assert_refused(returncode, capsys.readouterr().err, message)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["above"]

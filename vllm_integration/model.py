@@ -1,7 +1,7 @@
 """The hybrid model for vLLM: Llama skeleton, with every attention a `HybridAttentionLayer` (window attention plus
-the SSM history branch, sharing one input and one `o_proj`). Loads the checkpoint `scripts/convert_to_vllm.py`
-writes (fused qkv and gate_up, `A = -exp(A_log)` precomputed, the conv weight as `[E, K]`), or a Transformers
-checkpoint directly."""
+the SSM history branch, sharing one input and one `o_proj`). Loads a Transformers checkpoint or the one
+`scripts/convert_to_vllm.py` writes (projections fused, one dtype), through vLLM's `AutoWeightsLoader` with the
+names of layout.py."""
 
 from collections.abc import Iterable
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_reduce_scatter
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -21,15 +21,14 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
-from vllm.model_executor.models.utils import extract_layer_index
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index
 
 from configuration import HybridConfig
 
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
-from .layout import FUSED_PROJECTIONS, vllm_tensor
-from .ssm import hybrid_state_dtypes, hybrid_state_shapes
+from .layout import SSM_RENAMES, STACKED_PROJECTIONS
+from .ssm import HybridSSMSpec, hybrid_state_dtypes, hybrid_state_shapes
 from .upstream_fixes import rewind_cpu_generators_of_discarded_samples
 
 
@@ -55,7 +54,6 @@ class HybridAttention(nn.Module):
     def __init__(self, config: HybridConfig, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
-        self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = tp_size
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp_size
@@ -81,12 +79,14 @@ class HybridAttention(nn.Module):
         self.in_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.ssm_intermediate_size] * 2, bias=False, prefix=f"{prefix}.in_proj"
         )
-        # Full-width output on every rank (all-reduced), of which each rank adds its own heads' columns.
+        # Each rank's partial sums over its channels, reduce-scattered in forward: each rank receives the summed
+        # columns of its own heads, which is all its o_proj input needs.
         self.out_proj = RowParallelLinear(
             config.ssm_intermediate_size,
             config.num_attention_heads * self.head_dim,
             bias=False,
             input_is_parallel=True,
+            reduce_results=False,
             prefix=f"{prefix}.out_proj",
         )
         self.rotary_emb = get_rope(
@@ -100,14 +100,11 @@ class HybridAttention(nn.Module):
             self.head_dim,
             self.head_dim**-0.5,
             self.num_kv_heads,
-            ssm_state_size=config.ssm_state_size,
-            ssm_conv_kernel_size=config.ssm_conv_kernel_size,
-            ssm_intermediate_size=config.ssm_intermediate_size,
-            ssm_dt_rank=config.ssm_dt_rank,
-            ssm_conv_bias=config.ssm_conv_bias,
+            ssm=HybridSSMSpec.from_config(config),
+            sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
+            max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             cache_config=vllm_config.cache_config,
             prefix=f"{prefix}.attn",
-            per_layer_sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -115,9 +112,9 @@ class HybridAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         xz = self.in_proj(hidden_states)[0]  # [T, 2E/tp]: xs | z
         attn_output, ssm_output = self.attn(q, k, v, xz)
-        ssm_output = self.out_proj(ssm_output)[0]  # [T, H*D]
+        ssm_output = self.out_proj(ssm_output)[0]  # [T, H*D] partial sums over this rank's channels
         if self.tp_size > 1:
-            ssm_output = ssm_output.view(ssm_output.shape[0], self.tp_size, -1)[:, self.tp_rank]
+            ssm_output = tensor_model_parallel_reduce_scatter(ssm_output, dim=-1)  # [T, H*D/tp]: this rank's heads
         return self.o_proj(attn_output + ssm_output)[0]
 
 
@@ -166,6 +163,7 @@ class HybridModel(nn.Module):
 
 class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    hf_to_vllm_mapper = WeightsMapper(orig_to_new_substr=SSM_RENAMES, orig_to_new_stacked=STACKED_PROJECTIONS)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -227,30 +225,18 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads the converted checkpoint (names as they are here) or a Transformers one, whose q/k/v and gate/up
-        are stacked into the fused projections and whose SSM tensors are renamed and transformed on the way."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if self.config.tie_word_embeddings and name == "lm_head.weight":
-                continue
-            name, tensor = vllm_tensor(name, tensor)
-            stacked = [(fused, part, shard) for fused, parts in FUSED_PROJECTIONS.items() for part, shard in parts]
-            for fused, part, shard_id in stacked:
-                if part not in name:
-                    continue
-                name = name.replace(part, fused)
-                param = _checkpoint_param(params, name)
-                param.weight_loader(param, tensor, shard_id)
-                break
-            else:
-                param = _checkpoint_param(params, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
-        return loaded
+        skip = ["lm_head."] if self.config.tie_word_embeddings else None
+        loader = AutoWeightsLoader(self, skip_prefixes=skip)
+        return loader.load_weights(_refuse_precomputed_a(weights), mapper=self.hf_to_vllm_mapper)
 
 
-def _checkpoint_param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
-    if name not in params:
-        raise ValueError(f"unexpected tensor {name!r} in the checkpoint: not a hybrid model of this config")
-    return params[name]
+def _refuse_precomputed_a(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """Checkpoints hold A_log; a tensor named A is A = -exp(A_log) already (an older converter's output), which A's
+    loader would transform again."""
+    for name, tensor in weights:
+        if name.endswith(".ssm.A"):
+            raise ValueError(
+                f"{name}: this checkpoint holds A = -exp(A_log), written by an older scripts/convert_to_vllm.py; "
+                "convert the Transformers checkpoint again"
+            )
+        yield name, tensor

