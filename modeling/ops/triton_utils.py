@@ -1,11 +1,59 @@
-"""Helpers shared by the Triton kernels: math that `triton.language` lacks (or lacks the accuracy of), and the
-device facts the launchers size their grids from."""
+"""The launch toolkit every Triton op shares: argument checks with one policy (and one message form), the no-window
+sentinel, the device facts the launchers size their grids from, and math that `triton.language` lacks (or lacks the
+accuracy of).
+
+Policy for index tensors (cu_seqlens, state slots, block tables, sequence lengths, seq_idx): int32 or int64, on the
+device of the data, contiguous (kernels read entry i at `pointer + i`, so a strided view such as a column of a wider
+table would read wrong entries); the kernels widen them to int64 before computing offsets. Flags (has_initial_state)
+are bool.
+"""
 
 import functools
 
 import torch
 import triton
 import triton.language as tl
+
+
+# The window of full-attention layers: every key precedes its query by less than this many positions.
+NO_WINDOW = 2**31 - 1
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def window_or_unbounded(window: int | None) -> int:
+    """The kernels' window argument: DESIGN.md's W (query t sees keys t-W < s <= t), or `NO_WINDOW` for None."""
+    return NO_WINDOW if window is None else window
+
+
+def check_index(name: str, tensor: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    """An index tensor of `shape` under the policy above (on the device of `like`)."""
+    if tuple(tensor.shape) != shape or tensor.dtype not in INDEX_DTYPES or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous int32 or int64 tensor of shape {shape}, got {tensor.dtype} "
+            f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+        )
+    if tensor.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on {like.device}, got one on {tensor.device}")
+
+
+def check_flags(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A contiguous bool tensor of `shape`."""
+    if tuple(tensor.shape) != shape or tensor.dtype != torch.bool or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous bool tensor of shape {shape}, got {tensor.dtype} {tuple(tensor.shape)} "
+            f"with strides {tensor.stride()}"
+        )
+
+
+def check_tokens(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A floating-point activation of `shape` whose last dimension is contiguous (row-strided views are fine)."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
+    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tensor.stride()}")
 
 
 @functools.cache
