@@ -1,6 +1,6 @@
-"""What the checkpoint tools (the vLLM converter, vllm_integration/convert.py; the upcycler, scripts/upcycle.py) share: reading a `save_pretrained` directory's config
-and safetensors (sharded or not), checking tensors against the shapes a model expects, and writing the output
-directory atomically. Each problem is a `CheckpointError` whose message is the one `error:` line the user sees, and the
+"""What the checkpoint tools (the vLLM converter, vllm_integration/convert.py; the upcycler, modeling/upcycling.py)
+share: reading a `save_pretrained` directory's config and safetensors (sharded or not), checking tensors against the
+shapes a model expects, and writing the output directory atomically. Each problem is a `CheckpointError` whose message is the one `error:` line the user sees, and the
 first: nothing here draws a progress bar that an error could follow."""
 
 import json

@@ -55,8 +55,8 @@ logger = logging.get_logger(__name__)
 # ships with PyTorch's CUDA builds. Elsewhere, or with `config.use_ssm_kernels=False`, the PyTorch references run.
 is_fast_path_available = importlib.util.find_spec("triton") is not None
 if is_fast_path_available:
-    from .ops.causal_conv1d_triton import causal_conv1d_fn
-    from .ops.selective_scan_triton import selective_scan_fn
+    from .ops.causal_conv1d.interface import causal_conv1d_fn
+    from .ops.selective_scan.interface import selective_scan_fn
 
 
 class HybridCache(DynamicCache):

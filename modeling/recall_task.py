@@ -24,6 +24,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from configuration import HybridConfig
+
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 QUERY = "?"
 
@@ -99,6 +101,28 @@ class RecallTask:
                 labels[i + 1] = input_ids[i + 1]  # + 1: the bos
             examples.append({"input_ids": input_ids, "labels": labels})
         return examples
+
+
+def small_recall_config(tokenizer, **overrides) -> HybridConfig:
+    """The demo's model for this task: two layers whose attention together reaches 2 * (8 - 1) = 14 tokens back, short
+    of `RecallTask.min_distance`. Heads of 32 (not 16) because vLLM's CPU attention supports head sizes from 32 up."""
+    fields = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=8,
+        max_position_embeddings=4096,
+        ssm_state_size=16,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    fields.update(overrides)
+    return HybridConfig(**fields)
 
 
 def collate_left_padded(examples: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:

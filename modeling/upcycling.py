@@ -32,11 +32,9 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from configuration import HybridConfig
 
-from configuration import HybridConfig  # noqa: E402
-from modeling import HybridForCausalLM  # noqa: E402
-from modeling.checkpoint_io import (  # noqa: E402
+from .checkpoint_io import (
     DTYPES,
     CheckpointError,
     check_tensors,
@@ -48,7 +46,7 @@ from modeling.checkpoint_io import (  # noqa: E402
     state_dict_shapes,
     write_directory_atomically,
 )
-from modeling.modeling_hybrid import HybridRotaryEmbedding  # noqa: E402
+from .modeling_hybrid import HybridForCausalLM, HybridRotaryEmbedding
 
 SOURCES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
@@ -200,7 +198,9 @@ def layer_indices(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="upcycle.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("source_dir", type=Path, help="save_pretrained Llama, Mistral or Qwen2 checkpoint")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--sliding-window", type=int, help="window W (default: the source's; required without one)")

@@ -172,7 +172,7 @@ def scan_inputs(batch, seq_len, channels, state, requires_grad=False):
 
 def bench_scan(args) -> list[Row]:
     from modeling.ops import selective_scan_ref
-    from modeling.ops.selective_scan_triton import selective_scan_fn
+    from modeling.ops.selective_scan.interface import selective_scan_fn
 
     batch, seq_len, channels, state = args.scan_batch, args.scan_seq_len, args.scan_channels, 16
     shape = f"B={batch} T={seq_len} E={channels} N={state}"
@@ -222,7 +222,7 @@ def conv_reference(x, weight, bias):
 
 
 def bench_conv(args) -> list[Row]:
-    from modeling.ops.causal_conv1d_triton import causal_conv1d_bwd, causal_conv1d_fn
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fn
 
     batch, seq_len, channels, K = args.scan_batch, args.scan_seq_len, args.scan_channels, 4
     shape = f"B={batch} T={seq_len} E={channels} K={K}, x strided"
@@ -288,8 +288,8 @@ def vllm_ops():
 def bench_prefill(args) -> list[Row]:
     """Packed prefills continuing from state slots: conv varlen then scan varlen, as the vLLM backend runs them."""
     from modeling.ops import causal_conv1d_varlen_ref, selective_scan_varlen_ref
-    from modeling.ops.causal_conv1d_triton import causal_conv1d_varlen_fwd
-    from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
+    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
 
     num_seqs, seq_len, channels, state, K = args.prefill_seqs, args.prefill_seq_len, args.serve_channels, 16, 4
     total = num_seqs * seq_len
@@ -305,16 +305,17 @@ def bench_prefill(args) -> list[Row]:
     dt, B, C = randn(total, channels, scale=0.5), randn(total, state), randn(total, state)
     A = -torch.exp(randn(channels, state, dtype=torch.float32, scale=0.5))
     D, dt_bias = randn(channels, dtype=torch.float32), randn(channels, dtype=torch.float32, scale=0.5) - 3
+    dt_args = {"dt_bias": dt_bias, "dt_softplus": True}  # raw dt_proj outputs, as serving passes them
     ssm_state0 = randn(num_slots, channels, state, dtype=torch.float32)
 
     def ours(conv_state, ssm_state, out):
         u = causal_conv1d_varlen_fwd(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
-        selective_scan_varlen_fwd(u, dt, A, B, C, D, z, dt_bias, cu_seqlens, ssm_state, slots, has_initial, out=out)
+        selective_scan_varlen_fwd(u, dt, A, B, C, D, z, ssm_state, cu_seqlens, slots, has_initial, out, **dt_args)
         return u
 
     def reference(conv_state, ssm_state, out):
         u = causal_conv1d_varlen_ref(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
-        selective_scan_varlen_ref(u, dt, A, B, C, D, z, dt_bias, cu_seqlens, ssm_state, slots, has_initial, out=out)
+        selective_scan_varlen_ref(u, dt, A, B, C, D, z, ssm_state, cu_seqlens, slots, has_initial, out, **dt_args)
         return u
 
     results = []
@@ -387,7 +388,7 @@ def bench_attention(args) -> list[Row]:
     sliding-window block mask and SDPA with a windowed mask (dense [T, T] mask), on the same Q/K/V."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from modeling.ops.paged_attention_triton import paged_window_attention
+    from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     num_seqs, seq_len, window = args.attn_seqs, args.attn_seq_len, args.window
     H, KVH, D, block_size = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -442,9 +443,9 @@ def bench_decode(args) -> list[Row]:
     """One decode step of a batch: window attention over the paged KV and the SSM state update. The fused kernel
     (one launch) against the same work in separate launches (ours, and vLLM's unified_attention +
     selective_state_update where vLLM is importable)."""
-    from modeling.ops import hybrid_decode_ref
-    from modeling.ops.hybrid_decode_triton import hybrid_decode, selective_state_update
-    from modeling.ops.paged_attention_triton import paged_window_attention
+    from vllm_integration.ops import hybrid_decode_ref
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode, selective_state_update
+    from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     batch, window, context = args.decode_batch, args.window, args.decode_context
     H, KVH, D, block_size = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -561,7 +562,7 @@ SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd
 def bench_scan_sweep(args) -> list[Row]:
     """The training scan's launch settings, fwd+bwd (one knob at a time, then combinations of knobs that interact),
     and the forward alone at two channel blocks."""
-    from modeling.ops.selective_scan_triton import selective_scan_fn
+    from modeling.ops.selective_scan.interface import selective_scan_fn
 
     batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
     shape = f"B={batch} T={seq_len} E={channels} N=16"
@@ -585,9 +586,9 @@ def bench_scan_sweep(args) -> list[Row]:
 
 
 def bench_sweeps(args) -> list[Row]:
-    from modeling.ops.causal_conv1d_triton import causal_conv1d_bwd, causal_conv1d_fwd
-    from modeling.ops.hybrid_decode_triton import hybrid_decode
-    from modeling.ops.paged_attention_triton import paged_window_attention
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
+    from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     rows = []
     batch, seq_len, channels = args.scan_batch, args.scan_seq_len, args.scan_channels
@@ -617,7 +618,7 @@ def bench_sweeps(args) -> list[Row]:
         f"{num_seqs} x {attn_len}, W={window}",
         lambda **k: paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
                                            D**-0.5, window, out=out, max_query_len=attn_len, max_seq_len=attn_len, **k),
-        one_knob_at_a_time({"block_q": [8, 64], "block_n": [32, 128], "num_warps": [4], "num_stages": [2, 4]}),
+        one_knob_at_a_time({"block_q": [8, 64], "block_keys": [32, 128], "num_warps": [4], "num_stages": [2, 4]}),
     )  # fmt: skip
 
     decode_batch, context, E = args.decode_batch, args.decode_context, args.serve_channels
@@ -635,9 +636,10 @@ def bench_sweeps(args) -> list[Row]:
         f"batch {decode_batch}, ctx {context}, W={window}",
         lambda **k: hybrid_decode(q1, key_cache, value_cache, block_table, dec_lens, D**-0.5, window, attn_out, state,
                                   u, dt, A, Bm, Cm, Dv, z, dt_bias, idx, ssm_out, **k),
-        one_knob_at_a_time(
-            {"block_n": [32, 128], "num_splits": [2, 4], "num_warps": [8], "num_stages": [3, 4], "block_e": [64, 256]}
-        ),
+        one_knob_at_a_time({
+            "block_keys": [32, 128], "num_splits": [2, 4], "num_warps": [8], "num_stages": [3, 4],
+            "block_e": [64, 256],
+        }),
     )  # fmt: skip
     return rows
 

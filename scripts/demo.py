@@ -9,49 +9,16 @@
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recall_task import QUERY, RecallTask, recall_accuracy  # noqa: E402
-from train import small_recall_config, train  # noqa: E402
-from vllm_server import post_json, running_server  # noqa: E402
-
-from modeling import HybridForCausalLM  # noqa: E402
+from modeling.recall_task import QUERY, RecallTask, small_recall_config  # noqa: E402
+from modeling.training import train_hybrid_and_control  # noqa: E402
 from vllm_integration.convert import convert_checkpoint  # noqa: E402
-
-MODELS = {"hybrid": ("hybrid (SWA + SSM)", True), "control": ("control (SWA only)", False)}
-
-
-def train_both(task, tokenizer, steps: int, seed: int, output_dir: Path):
-    """Trains the hybrid and its attention-only control on the same examples and prints their recall accuracies on
-    1000 held-out samples; returns the trained hybrid and the accuracies (keys of `MODELS`)."""
-    train_examples = task.sample_examples(tokenizer, steps * 32, seed=seed)
-    held_out = task.sample_examples(tokenizer, 1000, seed=seed + 1)
-    accuracies, seconds, hybrid = {}, {}, None
-    for key, (name, use_ssm) in MODELS.items():
-        torch.manual_seed(seed)
-        model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=use_ssm))
-        print(f"\nTraining {name}: {model.num_parameters():,} parameters, {steps} steps")
-        start = time.perf_counter()
-        train(
-            model,
-            tokenizer,
-            train_examples,
-            str(output_dir / "trainer"),
-            steps,  # train()'s defaults are the recipe that learns this task on every seed (its docstring says why)
-            description=name,
-        )
-        accuracies[key] = recall_accuracy(model, held_out, tokenizer.pad_token_id)
-        seconds[key] = time.perf_counter() - start
-        hybrid = model if use_ssm else hybrid
-    print(f"\n{'model':<22}{'recall accuracy':>16}{'train time':>12}")
-    for key, (name, _) in MODELS.items():
-        print(f"{name:<22}{accuracies[key]:>16.3f}{seconds[key]:>11.0f}s")
-    return hybrid, accuracies
+from vllm_integration.server import post_json, running_server  # noqa: E402
 
 
 def serve_and_ask(task, tokenizer, vllm_dir: Path, log_path: Path, seed: int, num_samples: int = 200):
@@ -105,7 +72,7 @@ def main():
         f"value lies {task.min_distance}+ back from its question. Chance: 1/{task.num_values} = "
         f"{1 / task.num_values:.3f}."
     )
-    hybrid, _ = train_both(task, tokenizer, args.steps, args.seed, args.output_dir)
+    hybrid, _ = train_hybrid_and_control(task, tokenizer, args.steps, args.seed, args.output_dir)
 
     hf_dir, vllm_dir = args.output_dir / "hybrid", args.output_dir / "hybrid-vllm"
     hybrid.save_pretrained(hf_dir)

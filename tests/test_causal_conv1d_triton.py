@@ -1,4 +1,4 @@
-"""The Triton causal conv1d kernels against their references (modeling/ops/causal_conv1d.py), in Triton's interpreter
+"""The Triton causal conv1d kernels against their references (modeling/ops/causal_conv1d/), in Triton's interpreter
 on CPU machines: training forward and backward, packed serving prefills and decode steps with the conv-state cache."""
 
 import importlib
@@ -16,8 +16,9 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 @pytest.fixture(scope="module")
 def ops():
-    """The kernels module, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET before triton)."""
-    return importlib.import_module("modeling.ops.causal_conv1d_triton")
+    """The kernels' public functions, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET before
+    triton)."""
+    return importlib.import_module("modeling.ops.causal_conv1d.interface")
 
 
 def xs_half(rows: tuple[int, ...], channels: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -236,27 +237,30 @@ SLOTS = [7, 2, -1, 4, 9, 0, 5, 1, 3]  # permuted, non-contiguous; slots 6 and 8 
 HAS_INITIAL = [True, True, True, False, True, True, False, True, False]
 PAD_TOKENS = 3
 
-VARLEN_CASES = [  # dtype, K, conv-state layout, (block_t, block_e) or None
-    (torch.float32, 4, "slot-K-E", (8, 8)),
-    (torch.bfloat16, 4, "slot-E-K", (8, 16)),
-    (torch.float16, 3, "slot-K-E", None),
+VARLEN_CASES = [  # dtype, K, conv-state layout, (block_t, block_e) or None, dtype of cu_seqlens and state_indices
+    (torch.float32, 4, "slot-K-E", (8, 8), torch.int32),
+    (torch.bfloat16, 4, "slot-E-K", (8, 16), torch.int32),
+    (torch.float16, 3, "slot-K-E", None, torch.int64),
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype,width,layout,blocks",
+    "dtype,width,layout,blocks,idx_dtype",
     VARLEN_CASES,
-    ids=[f"{str(c[0])[6:]}-K{c[1]}-{c[2]}-{'x'.join(map(str, c[3])) if c[3] else 'default'}" for c in VARLEN_CASES],
+    ids=[
+        f"{str(c[0])[6:]}-K{c[1]}-{c[2]}-{'x'.join(map(str, c[3])) if c[3] else 'default'}-{str(c[4])[6:]}"
+        for c in VARLEN_CASES
+    ],
 )
-def test_varlen_matches_reference(ops, dtype, width, layout, blocks):
+def test_varlen_matches_reference(ops, dtype, width, layout, blocks, idx_dtype):
     gen = torch.Generator().manual_seed(6)
     channels, num_slots = 19, 10
-    cu_seqlens = torch.tensor([0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_seqlens = torch.tensor([0, *torch.tensor(SEQ_LENS).cumsum(0).tolist()], dtype=idx_dtype, device=DEVICE)
     num_tokens = int(cu_seqlens[-1]) + PAD_TOKENS
     x = xs_half((num_tokens,), channels, dtype, gen)
     weight, bias = conv_params(channels, width, dtype, True, gen)
     conv_state = conv_state_cache(num_slots, channels, width, dtype, layout, gen)
-    state_indices = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor(SLOTS, dtype=idx_dtype, device=DEVICE)
     has_initial_state = torch.tensor(HAS_INITIAL, device=DEVICE)
     state_before, state_ref = conv_state.clone(), conv_state.clone()
 
@@ -279,25 +283,25 @@ def test_varlen_matches_reference(ops, dtype, width, layout, blocks):
     assert torch.equal(conv_state[untouched], state_before[untouched])
 
 
-DECODE_CASES = [
-    (torch.float32, 4, "slot-K-E", 8),
-    (torch.bfloat16, 4, "slot-E-K", None),
-    (torch.float16, 2, "slot-K-E", 16),
+DECODE_CASES = [  # dtype, K, conv-state layout, block_e or None, dtype of state_indices
+    (torch.float32, 4, "slot-K-E", 8, torch.int32),
+    (torch.bfloat16, 4, "slot-E-K", None, torch.int64),
+    (torch.float16, 2, "slot-K-E", 16, torch.int32),
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype,width,layout,block_e",
+    "dtype,width,layout,block_e,idx_dtype",
     DECODE_CASES,
-    ids=[f"{str(c[0])[6:]}-K{c[1]}-{c[2]}-{c[3] or 'default'}" for c in DECODE_CASES],
+    ids=[f"{str(c[0])[6:]}-K{c[1]}-{c[2]}-{c[3] or 'default'}-{str(c[4])[6:]}" for c in DECODE_CASES],
 )
-def test_update_matches_reference(ops, dtype, width, layout, block_e):
+def test_update_matches_reference(ops, dtype, width, layout, block_e, idx_dtype):
     gen = torch.Generator().manual_seed(7)
     channels, num_slots = 21, 9
     x = xs_half((5,), channels, dtype, gen)
     weight, bias = conv_params(channels, width, dtype, True, gen)
     conv_state = conv_state_cache(num_slots, channels, width, dtype, layout, gen)
-    state_indices = torch.tensor([6, -1, 2, 8, 0], dtype=torch.int32, device=DEVICE)  # row 1: CUDA-graph padding
+    state_indices = torch.tensor([6, -1, 2, 8, 0], dtype=idx_dtype, device=DEVICE)  # row 1: CUDA-graph padding
     state_before, state_ref = conv_state.clone(), conv_state.clone()
 
     out = torch.full((5, channels), float("nan"), device=DEVICE, dtype=dtype)  # poisoned
@@ -387,8 +391,9 @@ def test_bad_inputs_name_the_tensor(ops):
         ops.causal_conv1d_fn(x[None], weight, bias, "silu", conv_state[:1, :, :2])
     with pytest.raises(ValueError, match="conv_state"):
         ops.causal_conv1d_update(x, weight, bias, conv_state.transpose(1, 2), slots)
-    with pytest.raises(ValueError, match="state_indices"):
-        ops.causal_conv1d_update(x, weight, bias, conv_state, slots.long())
+    for bad_slots in (slots.float(), torch.stack([slots, slots], dim=1)[:, 0]):  # not an index dtype; strided
+        with pytest.raises(ValueError, match="state_indices"):
+            ops.causal_conv1d_update(x, weight, bias, conv_state, bad_slots)
     cu_seqlens = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="has_initial_state"):
         ops.causal_conv1d_varlen_fwd(x, weight, bias, conv_state, cu_seqlens, slots[:1], slots[:1])

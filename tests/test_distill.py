@@ -7,13 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-import train
-from recall_task import RecallTask
 from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, TrainerCallback
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Trainer, TrainerCallback
 
 from configuration import HybridConfig
-from modeling import HybridForCausalLM
+from modeling import HybridForCausalLM, training
+from modeling.recall_task import RecallTask
 
 WINDOW = 8
 VOCAB = 101
@@ -97,12 +96,12 @@ def stack(batch: list[dict]) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def kl_on(student, teacher, ids: torch.Tensor) -> float:
-    return train.distillation_kl(student(ids).logits, teacher(ids).logits, ids).item()
+    return training.distillation_kl(student(ids).logits, teacher(ids).logits, ids).item()
 
 
-def distil(model, teacher, ids, output_dir, steps: int, **training_arguments) -> train.Trainer:
+def distil(model, teacher, ids, output_dir, steps: int, **training_arguments) -> Trainer:
     defaults = {"batch_size": 4, "learning_rate": 1e-2, "disable_tqdm": True, "logging_steps": 1, "use_cpu": True}
-    return train.train(
+    return training.train(
         model,
         None,
         examples_of(ids),
@@ -144,13 +143,13 @@ def test_the_kl_matches_a_naive_reference():
     assert len(terms) == batch_size * (length - 1) - 4
     reference = temperature**2 * torch.stack(terms)
 
-    kl = train.distillation_kl(student_logits, teacher_logits, labels, temperature)
+    kl = training.distillation_kl(student_logits, teacher_logits, labels, temperature)
     assert kl.dtype == torch.float32
     torch.testing.assert_close(kl.double(), reference.mean(), rtol=1e-5, atol=1e-7)
     # In chunks of rows (the last one short), recomputed in backward: the same value and the same gradient.
     student = student_logits.clone().requires_grad_(True)
     reference_student = student_logits.double().requires_grad_(True)
-    train.distillation_kl(student, teacher_logits, labels, temperature, chunk_rows=4).backward()
+    training.distillation_kl(student, teacher_logits, labels, temperature, chunk_rows=4).backward()
     reference_terms = [
         F.kl_div(
             F.log_softmax(reference_student[b, t] / temperature, dim=-1),
@@ -164,7 +163,7 @@ def test_the_kl_matches_a_naive_reference():
     (temperature**2 * torch.stack(reference_terms).mean()).backward()
     torch.testing.assert_close(student.grad.double(), reference_student.grad, rtol=1e-5, atol=1e-7)
     # Under gradient accumulation Trainer passes the whole step's count: the sum is divided by it instead.
-    kl = train.distillation_kl(student_logits.bfloat16(), teacher_logits.bfloat16(), labels, temperature, 40)
+    kl = training.distillation_kl(student_logits.bfloat16(), teacher_logits.bfloat16(), labels, temperature, 40)
     assert kl.dtype == torch.float32
     torch.testing.assert_close(kl.double(), reference.sum() / 40, rtol=2e-2, atol=1e-3)
 
@@ -176,7 +175,7 @@ def test_distilling_a_full_attention_teacher_lowers_the_kl_beyond_the_window(tmp
     ids = random_tokens(batch_size=8, length=4 * WINDOW)
     before = kl_on(student, teacher, ids)
     assert before > 0.05  # the teacher sees beyond the window, the student's attention does not
-    trainer = distil(train.prepare_trainable(student, "ssm"), teacher, ids, tmp_path, steps=10)
+    trainer = distil(training.prepare_trainable(student, "ssm"), teacher, ids, tmp_path, steps=10)
     logged = [entry["distill_kl"] for entry in trainer.state.log_history if "distill_kl" in entry]
     assert len(logged) == 10 and logged[0] == pytest.approx(before, rel=0.1)
     after = kl_on(student.eval(), teacher, ids)
@@ -187,7 +186,7 @@ def test_the_lm_loss_is_added_with_its_weight(tmp_path):
     teacher = mistral_teacher()
     student = upcycled_student(teacher)
     ids = random_tokens()
-    trainer = distil(train.prepare_trainable(student, "ssm"), teacher, ids, tmp_path, steps=1, lm_loss_weight=0.5)
+    trainer = distil(training.prepare_trainable(student, "ssm"), teacher, ids, tmp_path, steps=1, lm_loss_weight=0.5)
     (entry,) = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert entry["distill_kl"] < 1e-6  # step 0: the student is its teacher
     assert entry["lm_loss"] == pytest.approx(math.log(VOCAB), rel=0.5)
@@ -204,7 +203,7 @@ def test_training_modes_train_what_they_name_and_nothing_else(tmp_path, mode):
         peft = pytest.importorskip("peft")
     teacher = mistral_teacher()
     student = upcycled_student(teacher)
-    model = train.prepare_trainable(student, mode, lora_rank=4)
+    model = training.prepare_trainable(student, mode, lora_rank=4)
     names = {name for name, _ in model.named_parameters()}
     trainable = {name for name, param in model.named_parameters() if param.requires_grad}
     ssm = ssm_names(model)
@@ -217,8 +216,8 @@ def test_training_modes_train_what_they_name_and_nothing_else(tmp_path, mode):
         lora = {name for name in names if "lora_" in name}
         assert trainable == ssm | lora
         wrapped = {name for name, module in model.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)}
-        assert {name.rsplit(".", 1)[-1] for name in wrapped} == set(train.LORA_TARGET_MODULES)
-        assert len(wrapped) == 2 * len(train.LORA_TARGET_MODULES)
+        assert {name.rsplit(".", 1)[-1] for name in wrapped} == set(training.LORA_TARGET_MODULES)
+        assert len(wrapped) == 2 * len(training.LORA_TARGET_MODULES)
         assert not any(".ssm." in name for name in wrapped | lora)  # in_proj, out_proj, ... are trained in full
     else:
         assert trainable == names
@@ -238,13 +237,13 @@ def test_lora_mode_saves_a_plain_checkpoint_after_the_merge(tmp_path):
     pytest.importorskip("peft")
     teacher = mistral_teacher()
     upcycled_student(teacher).save_pretrained(tmp_path / "plain")
-    model = train.prepare_trainable(upcycled_student(teacher), "ssm+lora", lora_rank=4)
+    model = training.prepare_trainable(upcycled_student(teacher), "ssm+lora", lora_rank=4)
     ids = random_tokens()
     distil(model, teacher, ids, tmp_path / "run", steps=2, warmup_steps=0)
     model.eval()
     with torch.no_grad():
         trained_logits = model(ids).logits
-    merged = train.merge_lora(model)
+    merged = training.merge_lora(model)
     assert type(merged) is HybridForCausalLM
     merged.save_pretrained(tmp_path / "merged")
 
@@ -264,9 +263,9 @@ def test_ssm_modes_refuse_a_model_without_an_ssm_branch():
     student = upcycled_student(mistral_teacher(), use_ssm_branch=False)
     for mode in ("ssm", "ssm+lora"):
         with pytest.raises(ValueError, match="use_ssm_branch=False"):
-            train.prepare_trainable(student, mode)
+            training.prepare_trainable(student, mode)
     with pytest.raises(ValueError, match="not one of"):
-        train.prepare_trainable(student, "lora")
+        training.prepare_trainable(student, "lora")
 
 
 class Gradients(TrainerCallback):
@@ -282,7 +281,7 @@ class Gradients(TrainerCallback):
 def test_bf16_with_gradient_checkpointing_gives_ssm_gradients(tmp_path):
     mistral = mistral_teacher()
     teacher = full_attention_teacher(mistral)
-    model = train.prepare_trainable(upcycled_student(mistral), "ssm")
+    model = training.prepare_trainable(upcycled_student(mistral), "ssm")
     ssm_calls = []
     model.model.layers[0].self_attn.ssm.register_forward_hook(lambda *_: ssm_calls.append(1))
     gradients = Gradients()
@@ -327,7 +326,7 @@ def saved_models(tmp_path):
 def test_cli_distils_a_saved_student_into_a_plain_checkpoint(saved_models):
     pytest.importorskip("peft")
     root = saved_models
-    train.main(
+    training.main(
         [
             "--model",
             str(root / "student"),
@@ -356,14 +355,14 @@ def test_cli_distils_a_saved_student_into_a_plain_checkpoint(saved_models):
     after = HybridForCausalLM.from_pretrained(root / "out").state_dict()
     assert after.keys() == before.keys()
     changed = {name for name in after if not torch.equal(after[name], before[name])}
-    lora_targets = {name for name in after if name.rsplit(".", 2)[-2] in train.LORA_TARGET_MODULES}
+    lora_targets = {name for name in after if name.rsplit(".", 2)[-2] in training.LORA_TARGET_MODULES}
     assert changed <= {name for name in after if ".ssm." in name} | lora_targets
     assert any(".ssm." in name for name in changed) and changed & lora_targets
 
 
 def test_cli_teacher_needs_a_student(saved_models):
     with pytest.raises(SystemExit, match="--teacher needs --model"):
-        train.main(["--teacher", str(saved_models / "teacher"), "--output-dir", str(saved_models / "out")])
+        training.main(["--teacher", str(saved_models / "teacher"), "--output-dir", str(saved_models / "out")])
 
 
 def test_cli_refuses_a_teacher_of_another_vocabulary(saved_models):
@@ -371,4 +370,4 @@ def test_cli_refuses_a_teacher_of_another_vocabulary(saved_models):
     mistral_teacher(vocab_size=student_vocab + 3).save_pretrained(saved_models / "other")
     arguments = ["--model", str(saved_models / "student"), "--teacher", str(saved_models / "other")]
     with pytest.raises(ValueError, match=f"vocab_size={student_vocab + 3}.*vocab_size={student_vocab}"):
-        train.main([*arguments, "--steps", "1", "--batch-size", "2", "--output-dir", str(saved_models / "out")])
+        training.main([*arguments, "--steps", "1", "--batch-size", "2", "--output-dir", str(saved_models / "out")])

@@ -1,25 +1,37 @@
-"""The scripts on small runs: the recall task's layout, the demo's training (shortened), and train.py from scratch then
-fine-tuning on a text file."""
+"""The scripts on small runs: each one starts as a command, the recall task's layout, the demo's training
+(shortened), and train.py from scratch then fine-tuning on a text file."""
 
 import json
+import subprocess
+import sys
 
-import demo
 import pytest
 import torch
-import train
-from recall_task import QUERY, RecallTask
+from conftest import REPO_ROOT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from modeling import HybridForCausalLM
+from modeling import HybridForCausalLM, training
+from modeling.recall_task import QUERY, RecallTask, small_recall_config
 
 DEMO_TEST_STEPS = 500
+SCRIPTS = sorted(path.name for path in (REPO_ROOT / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_starts_from_anywhere(script, tmp_path):
+    """Each script is a command over the packages: run from another directory, it imports what it needs and answers
+    `--help`."""
+    command = [sys.executable, str(REPO_ROOT / "scripts" / script), "--help"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {script}"), done.stdout
 
 
 @pytest.mark.parametrize("num_pairs", [1, 4], ids=["one-pair", "four-pairs"])
 def test_recall_task_puts_every_answer_beyond_the_attention_reach(num_pairs):
     task = RecallTask(num_pairs=num_pairs)
     tokenizer = task.build_tokenizer()
-    config = train.small_recall_config(tokenizer)
+    config = small_recall_config(tokenizer)
     reach = config.num_hidden_layers * (config.sliding_window - 1)
     assert task.min_distance > reach
     query_id = tokenizer.convert_tokens_to_ids(QUERY)
@@ -56,7 +68,9 @@ def test_demo_training_recalls_beyond_the_window_where_the_control_guesses(tmp_p
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the demo: the same run whatever the number of cores
     try:
-        _, accuracies = demo.train_both(task, tokenizer, steps=DEMO_TEST_STEPS, seed=seed, output_dir=tmp_path)
+        _, accuracies = training.train_hybrid_and_control(
+            task, tokenizer, steps=DEMO_TEST_STEPS, seed=seed, output_dir=tmp_path
+        )
     finally:
         torch.set_num_threads(threads)
     assert accuracies["hybrid"] >= 0.9, accuracies
@@ -65,7 +79,7 @@ def test_demo_training_recalls_beyond_the_window_where_the_control_guesses(tmp_p
 
 def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     out = tmp_path / "scratch"
-    train.main(["--output-dir", str(out), "--steps", "3", "--batch-size", "4"])
+    training.main(["--output-dir", str(out), "--steps", "3", "--batch-size", "4"])
     assert "recall accuracy" in capsys.readouterr().out
     model = AutoModelForCausalLM.from_pretrained(out)
     assert isinstance(model, HybridForCausalLM)
@@ -78,7 +92,7 @@ def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     words = RecallTask().words
     text.write_text(" ".join(words[i] for i in torch.randint(len(words), (400,), generator=generator).tolist()))
     tuned = tmp_path / "tuned"
-    train.main(
+    training.main(
         [
             "--model",
             str(out),

@@ -20,8 +20,8 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 @pytest.fixture(scope="module")
 def scan():
-    """The kernels' module, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET first)."""
-    return importlib.import_module("modeling.ops.selective_scan_triton")
+    """The kernels' public functions, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET first)."""
+    return importlib.import_module("modeling.ops.selective_scan.interface")
 
 
 def assert_close_scaled(actual, expected, tol, name):
@@ -77,15 +77,15 @@ def random_seq_idx(batch, seq_len, row0_starts, dtype, seed=3):
 
 
 def check_training_against_reference(
-    scan, inputs, dtype, seq_idx=None, *, chunk, seg, save_seg_states, bwd_block_e=None
+    scan, inputs, dtype, seq_idx=None, *, chunk, seg, save_seg_states, bwd_block_e=None, dt_softplus=False
 ):
     """y, final state and every gradient of `selective_scan_fn` against `selective_scan_ref` in fp64 on the
-    kernel's (rounded) input values, the final state's gradient included."""
+    kernel's (rounded) input values, the final state's gradient included (and dt_bias's, when `inputs` has one)."""
     low_precision = {"u", "z", "B", "C"}  # the model's bf16 activations; dt, A, D, state stay fp32
     names = [k for k, v in inputs.items() if v is not None]
     kernel_inputs = {k: (inputs[k].to(dtype) if k in low_precision else inputs[k].float()) for k in names}
     ref_inputs = {k: v.detach().double().requires_grad_() for k, v in kernel_inputs.items()}
-    y_ref, final_ref = selective_scan_ref(**ref_inputs, seq_idx=seq_idx)
+    y_ref, final_ref = selective_scan_ref(**ref_inputs, seq_idx=seq_idx, dt_softplus=dt_softplus)
     g = torch.Generator().manual_seed(1)
     dy = torch.randn(y_ref.shape, generator=g, dtype=torch.float64)
     d_final = torch.randn(final_ref.shape, generator=g, dtype=torch.float64)
@@ -104,6 +104,7 @@ def check_training_against_reference(
         seg=seg,
         save_seg_states=save_seg_states,
         bwd_block_e=bwd_block_e,
+        dt_softplus=dt_softplus,
     )
     ((y.float() * dy.float().to(DEVICE)).sum() + (final * d_final.float().to(DEVICE)).sum()).backward()
 
@@ -194,6 +195,45 @@ def test_training_packed_rows(
     )
 
 
+DT_CASES = [  # batch, T, E, N, dtype, chunk, seg, saved checkpoints, dt_bias given, dt_softplus, row 0's sequence
+    # starts (None: no seq_idx)
+    (2, 13, 20, 16, torch.float32, None, 16, True, True, True, None),
+    (2, 37, 24, 8, torch.float32, 16, 4, False, True, True, None),
+    (2, 19, 24, 16, torch.bfloat16, 8, 4, True, False, True, None),
+    (1, 21, 18, 8, torch.float32, 8, 4, True, True, False, None),
+    (2, 21, 24, 8, torch.float32, 8, 4, False, True, True, (3, 8, 11, 12, 20)),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,seq_len,channels,state,dtype,chunk,seg,save_seg_states,with_bias,dt_softplus,row0_starts",
+    DT_CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-{str(c[4])[6:]}-chunk{c[5]}-seg{c[6]}-{'saved' if c[7] else 'recomputed'}"
+        f"-{'dt_bias' if c[8] else 'no_bias'}-{'softplus' if c[9] else 'linear'}"
+        f"-{'starts' + '_'.join(map(str, c[10])) if c[10] else 'one_seq'}"
+        for c in DT_CASES
+    ],
+)
+def test_training_dt_bias_and_softplus(
+    scan, batch, seq_len, channels, state, dtype, chunk, seg, save_seg_states, with_bias, dt_softplus, row0_starts
+):
+    """mamba's dt contract (dt_bias, dt_softplus), forward and backward: the step is softplus(dt + dt_bias) or
+    dt + dt_bias, and dt and dt_bias get the gradients of that step; with softplus, dt covers its pass-through
+    (> 20) and underflow regions."""
+    inputs = random_training_inputs(batch, seq_len, channels, state, dtype, seed=9)
+    g = torch.Generator().manual_seed(10)
+    if dt_softplus:  # raw dt_proj outputs
+        inputs["dt"] = torch.randn(batch, seq_len, channels, generator=g, dtype=torch.float64) - 1.0
+        inputs["dt"][0, 0, :3] = torch.tensor([30.0, -30.0, 19.5])
+    if with_bias:  # positive, so that dt + dt_bias stays a positive step without softplus too
+        inputs["dt_bias"] = torch.rand(channels, generator=g, dtype=torch.float64) * 0.5
+    seq_idx = random_seq_idx(batch, seq_len, row0_starts, torch.int64) if row0_starts else None
+    check_training_against_reference(
+        scan, inputs, dtype, seq_idx, chunk=chunk, seg=seg, save_seg_states=save_seg_states, dt_softplus=dt_softplus
+    )
+
+
 # The combine computes exp2(inf * 0) = NaN for the zero entry of A, then selects decay 0 instead; NumPy (the
 # interpreter) warns about the discarded NaN.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
@@ -265,24 +305,27 @@ def test_training_rejects_bad_seq_idx(scan):
             scan.selective_scan_fn(**inputs, seq_idx=bad)
 
 
-VARLEN_CASES = [  # sequence lengths, cache dtype, chunk (None: one chunk per sequence), has_initial_state given
-    ([5, 1, 13, 7], torch.float32, None, True),
-    ([5, 1, 13, 7], torch.bfloat16, None, True),
-    ([9, 1, 23], torch.float32, 8, True),
-    ([17, 3, 1, 8], torch.bfloat16, 4, True),
-    ([6, 11], torch.float32, 4, False),
+VARLEN_CASES = [  # sequence lengths, cache dtype, chunk (None: one chunk per sequence), has_initial_state given,
+    # dt contract (serving's "bias+softplus": raw dt, softplus(dt + dt_bias); "step": dt is the step), index dtype
+    ([5, 1, 13, 7], torch.float32, None, True, "bias+softplus", torch.int32),
+    ([5, 1, 13, 7], torch.bfloat16, None, True, "bias+softplus", torch.int32),
+    ([9, 1, 23], torch.float32, 8, True, "bias+softplus", torch.int32),
+    ([17, 3, 1, 8], torch.bfloat16, 4, True, "bias+softplus", torch.int64),
+    ([6, 11], torch.float32, 4, False, "bias+softplus", torch.int32),
+    ([9, 1, 23], torch.float32, 8, True, "step", torch.int64),
 ]
 
 
 @pytest.mark.parametrize(
-    "lengths,cache_dtype,chunk,with_flags",
+    "lengths,cache_dtype,chunk,with_flags,dt_mode,idx_dtype",
     VARLEN_CASES,
     ids=[
-        f"L{'-'.join(map(str, c[0]))}-cache_{str(c[1])[6:]}-chunk{c[2]}-{'flags' if c[3] else 'no_flags'}"
+        f"L{'-'.join(map(str, c[0]))}-cache_{str(c[1])[6:]}-chunk{c[2]}-{'flags' if c[3] else 'no_flags'}-{c[4]}"
+        f"-{str(c[5])[6:]}"
         for c in VARLEN_CASES
     ],
 )
-def test_varlen_prefill_matches_reference(scan, lengths, cache_dtype, chunk, with_flags):
+def test_varlen_prefill_matches_reference(scan, lengths, cache_dtype, chunk, with_flags, dt_mode, idx_dtype):
     channels, state, num_slots = 24, 8, 9
     g = torch.Generator().manual_seed(2)
     total = sum(lengths)
@@ -305,9 +348,13 @@ def test_varlen_prefill_matches_reference(scan, lengths, cache_dtype, chunk, wit
     u, z = xz.chunk(2, dim=-1)
     dt = torch.cat([dt, rand(2, channels)])
     B, C = torch.cat([B, B[:2]]), torch.cat([C, C[:2]])
-    cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(torch.int32)
+    cu_seqlens = torch.tensor([0] + lengths, device=DEVICE).cumsum(0).to(idx_dtype)
     slots = torch.randperm(num_slots, generator=g)[: seqs - 1].tolist() + [-1]
-    state_indices = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor(slots, dtype=idx_dtype, device=DEVICE)
+    if dt_mode == "step":  # the step itself, as training passes it
+        dt, dt_args = F.softplus(dt), {}
+    else:
+        dt_args = {"dt_bias": dt_bias, "dt_softplus": True}
     # Mixed flags; None means no sequence continues from its slot.
     has_initial_state = torch.tensor([i % 2 == 0 for i in range(seqs)], device=DEVICE) if with_flags else None
     big_cache = rand(num_slots, 2, channels, state).to(cache_dtype)
@@ -316,12 +363,12 @@ def test_varlen_prefill_matches_reference(scan, lengths, cache_dtype, chunk, wit
 
     out = torch.full((u.shape[0], channels), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # poisoned
     out_ref = torch.empty_like(out)
-    args = (u, dt, A, B, C, D, z, dt_bias, cu_seqlens)
+    args = (u, dt, A, B, C, D, z)
     other_half = big_cache[:, 0].clone()
     result = scan.selective_scan_varlen_fwd(
-        *args, cache, state_indices, has_initial_state, out, chunk=chunk, block_e=16
+        *args, cache, cu_seqlens, state_indices, has_initial_state, out, **dt_args, chunk=chunk, block_e=16
     )
-    selective_scan_varlen_ref(*args, cache_ref, state_indices, has_initial_state, out_ref)
+    selective_scan_varlen_ref(*args, cache_ref, cu_seqlens, state_indices, has_initial_state, out_ref, **dt_args)
 
     assert result is out
     torch.testing.assert_close(out.float(), out_ref.float(), atol=3e-2, rtol=3e-2)
@@ -374,16 +421,20 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
     state_indices = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
     has_initial_state = torch.tensor([True, False, True], device=DEVICE)
     cache = torch.randn(3, channels, state, generator=g).to(DEVICE)
-    args = (u, dt, A, B, C, D, z, dt_bias, cu_seqlens)
+    args = (u, dt, A, B, C, D, z)
+    dt_args = {"dt_bias": dt_bias, "dt_softplus": True}
     cache_ref, out_ref = cache.clone(), torch.empty_like(u)
-    selective_scan_varlen_ref(*args, cache_ref, state_indices, has_initial_state, out_ref)
-    kernels = (scan._selective_scan_fwd_kernel, scan._selective_scan_chunk_combine_kernel)
+    selective_scan_varlen_ref(*args, cache_ref, cu_seqlens, state_indices, has_initial_state, out_ref, **dt_args)
+    forward = importlib.import_module("modeling.ops.selective_scan.forward")
+    kernels = (forward._selective_scan_fwd_kernel, forward._selective_scan_chunk_combine_kernel)
     for kernel in kernels:  # variants earlier tests compiled would hide a first compilation here
         kernel.device_caches.clear()
 
     def run(chunk):
         out, slots = torch.full_like(u, float("nan")), cache.clone()
-        scan.selective_scan_varlen_fwd(*args, slots, state_indices, has_initial_state, out, chunk=chunk)
+        scan.selective_scan_varlen_fwd(
+            *args, slots, cu_seqlens, state_indices, has_initial_state, out, **dt_args, chunk=chunk
+        )
         torch.testing.assert_close(out, out_ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(slots, cache_ref, atol=1e-4, rtol=1e-4)
 

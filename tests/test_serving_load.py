@@ -23,9 +23,9 @@ pytest.importorskip("vllm")
 from conftest import converted_tiny_hybrid, hf_greedy
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-from vllm_server import running_server
 
 from modeling import HybridForCausalLM
+from vllm_integration.server import running_server
 
 VOCAB_SIZE = 128  # a multiple of 64: no padded rows in the vLLM embedding, so id == VOCAB_SIZE is out of range
 WINDOW = 16

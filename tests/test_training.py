@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from recall_task import RecallTask, collate_left_padded
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainingArguments
+
+from modeling.recall_task import RecallTask, collate_left_padded
 
 
 def batch_of_random_tokens(seed: int = 0, batch_size: int = 4, length: int = 21):

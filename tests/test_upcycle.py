@@ -1,5 +1,6 @@
-"""scripts/upcycle.py: Llama, Mistral and Qwen2 checkpoints become hybrids that compute their source's function with
-the window (checked against Transformers' own classes), and every kind of bad input is refused cleanly."""
+"""The upcycler (modeling/upcycling.py, CLI scripts/upcycle.py): Llama, Mistral and Qwen2 checkpoints become hybrids
+that compute their source's function with the window (checked against Transformers' own classes), and every kind of
+bad input is refused cleanly."""
 
 import json
 import subprocess
@@ -7,9 +8,7 @@ import sys
 
 import pytest
 import torch
-import upcycle
 from conftest import REPO_ROOT
-from recall_task import RecallTask
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -24,7 +23,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from modeling import HybridForCausalLM
+from modeling import HybridForCausalLM, upcycling
+from modeling.recall_task import RecallTask
 
 VOCAB = 101
 DIMS = dict(
@@ -69,7 +69,7 @@ def save_source(model, path, **save_kwargs):
 
 
 def upcycled(source_dir, out_dir, *args) -> HybridForCausalLM:
-    assert upcycle.main([str(source_dir), str(out_dir), *map(str, args)]) == 0
+    assert upcycling.main([str(source_dir), str(out_dir), *map(str, args)]) == 0
     return AutoModelForCausalLM.from_pretrained(out_dir).eval()
 
 
@@ -200,12 +200,12 @@ def test_tokenizer_generation_config_and_dtype_are_carried(tmp_path):
     source_dir = save_source(source.to(torch.bfloat16), tmp_path / "mistral")
     tokenizer.save_pretrained(source_dir)
 
-    assert upcycle.main([str(source_dir), str(tmp_path / "bf16")]) == 0
+    assert upcycling.main([str(source_dir), str(tmp_path / "bf16")]) == 0
     assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
     assert AutoTokenizer.from_pretrained(tmp_path / "bf16")("a b").input_ids == tokenizer("a b").input_ids
     assert json.loads((tmp_path / "bf16" / "generation_config.json").read_text())["max_new_tokens"] == 7
 
-    assert upcycle.main([str(source_dir), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
+    assert upcycling.main([str(source_dir), str(tmp_path / "fp32"), "--dtype", "float32"]) == 0
     assert {t.dtype for t in load_file(tmp_path / "fp32" / "model.safetensors").values()} == {torch.float32}
 
 
@@ -280,7 +280,7 @@ def test_bad_input_is_refused_with_one_line_and_no_output(tmp_path, capsys, kind
     out_dir = tmp_path / "out" / "hybrid"
     (tmp_path / "out").mkdir()
     capsys.readouterr()
-    assert upcycle.main([str(source_dir), str(out_dir), *args]) == 2
+    assert upcycling.main([str(source_dir), str(out_dir), *args]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("error: ") and expected in error, error
     assert list((tmp_path / "out").iterdir()) == []  # nothing half-written, no staging directory left
@@ -292,11 +292,11 @@ def test_an_existing_output_needs_force(tmp_path, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "keep.txt").write_text("mine")
-    assert upcycle.main([str(source_dir), str(out_dir)]) == 2
+    assert upcycling.main([str(source_dir), str(out_dir)]) == 2
     assert "exists; pass --force" in capsys.readouterr().err
     assert (out_dir / "keep.txt").read_text() == "mine"
 
-    assert upcycle.main([str(source_dir), str(out_dir), "--force"]) == 0
+    assert upcycling.main([str(source_dir), str(out_dir), "--force"]) == 0
     assert not (out_dir / "keep.txt").exists() and (out_dir / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mistral", "out"]
 
@@ -308,7 +308,7 @@ def test_an_output_overlapping_the_source_is_refused_even_with_force(tmp_path, c
     out_dir = {"the source": source_dir, "inside the source": source_dir / "out", "above the source": tmp_path / "top"}
     before = sorted(p.name for p in source_dir.iterdir())
     capsys.readouterr()
-    assert upcycle.main([str(source_dir), str(out_dir[where]), "--force"]) == 2
+    assert upcycling.main([str(source_dir), str(out_dir[where]), "--force"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
     assert sorted(p.name for p in source_dir.iterdir()) == before
 
@@ -316,6 +316,6 @@ def test_an_output_overlapping_the_source_is_refused_even_with_force(tmp_path, c
 def test_a_float64_source_is_written_as_float32(tmp_path, capsys):
     torch.manual_seed(11)
     source = MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)).double()
-    assert upcycle.main([str(save_source(source, tmp_path / "src")), str(tmp_path / "out")]) == 0
+    assert upcycling.main([str(save_source(source, tmp_path / "src")), str(tmp_path / "out")]) == 0
     assert "float64 checkpoint: writing float32" in capsys.readouterr().out
     assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}

@@ -15,11 +15,11 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import REPO_ROOT, converted_tiny_hybrid, hf_greedy, randomize_
-from recall_task import RecallTask
-from vllm_server import engine_environment, post_json, running_server
 
 from modeling import HybridForCausalLM
+from modeling.recall_task import RecallTask
 from vllm_integration.convert import convert_checkpoint
+from vllm_integration.server import engine_environment, post_json, running_server
 
 WINDOW = 16
 MAX_TOKENS = 12
@@ -226,8 +226,9 @@ def test_an_upcycled_qwen2_converts_and_follows_transformers(tmp_path):
     """A Qwen2 checkpoint (q/k/v biases without an o bias, tied embeddings) through scripts/upcycle.py, its branch
     then given weights as training would (random out_proj: the fresh branch adds nothing), converted and served:
     Transformers' tokens and logprobs on prompts beyond the window."""
-    import upcycle
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from modeling import upcycling
 
     tokenizer = RecallTask().build_tokenizer()
     torch.manual_seed(3)
@@ -250,7 +251,7 @@ def test_an_upcycled_qwen2_converts_and_follows_transformers(tmp_path):
                 param.normal_(0, 0.5)
     source.save_pretrained(tmp_path / "qwen2")
     tokenizer.save_pretrained(tmp_path / "qwen2")
-    assert upcycle.main([str(tmp_path / "qwen2"), str(tmp_path / "upcycled"), "--sliding-window", str(WINDOW)]) == 0
+    assert upcycling.main([str(tmp_path / "qwen2"), str(tmp_path / "upcycled"), "--sliding-window", str(WINDOW)]) == 0
     model = randomize_(HybridForCausalLM.from_pretrained(tmp_path / "upcycled"))
     assert model.model.layers[0].self_attn.q_proj.bias.abs().max() > 0.1
     model.save_pretrained(tmp_path / "trained")

@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from conftest import compiled_variants  # noqa: E402
 
-from modeling.ops import paged_window_attention_ref  # noqa: E402
+from vllm_integration.ops import paged_window_attention_ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, KVH, D, W, BLOCK = 4, 2, 16, 8, 16  # heads, kv heads, head dim, window, KV block size
@@ -147,9 +147,9 @@ def serving_inputs(ssm_adapter, num_tokens, g):
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
 def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
-    from modeling.ops import hybrid_decode_triton
     from vllm_integration import attention
     from vllm_integration.attention import HybridTritonAttentionImpl
+    from vllm_integration.ops.hybrid_decode import interface as hybrid_decode_interface
     from vllm_integration.ssm import REFERENCE_KERNELS
 
     # The scan must get the longest prefill from the host-side metadata: computing it from cu_seqlens is a device
@@ -164,13 +164,13 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     monkeypatch.setattr(attention, "triton_kernels", lambda: dataclasses.replace(kernels, scan_varlen=scan_varlen))
     # The fused decode must get the layer's persistent split-K counters: a fresh buffer is a memset per layer.
     decode_counters = []
-    fused_decode = hybrid_decode_triton.hybrid_decode
+    fused_decode = hybrid_decode_interface.hybrid_decode
 
     def hybrid_decode(*args, **kwargs):
         decode_counters.append(kwargs.get("counters"))
         return fused_decode(*args, **kwargs)
 
-    monkeypatch.setattr(hybrid_decode_triton, "hybrid_decode", hybrid_decode)
+    monkeypatch.setattr(hybrid_decode_interface, "hybrid_decode", hybrid_decode)
 
     g = torch.Generator().manual_seed(1)
     attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(g)
@@ -238,16 +238,19 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
     mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
     and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
-    from modeling.ops import causal_conv1d_triton, hybrid_decode_triton, paged_attention_triton, selective_scan_triton
+    from modeling.ops.causal_conv1d import forward as causal_conv1d_forward
+    from modeling.ops.selective_scan import forward as selective_scan_forward
     from vllm_integration.attention import HybridTritonAttentionImpl
+    from vllm_integration.ops.hybrid_decode.kernel import _hybrid_decode_kernel
+    from vllm_integration.ops.paged_attention.kernel import _paged_window_attention_kernel
 
     prefill_kernels = [
-        paged_attention_triton._paged_window_attention_kernel,
-        causal_conv1d_triton._causal_conv1d_fwd_kernel,
-        causal_conv1d_triton._varlen_conv_state_kernel,
-        selective_scan_triton._selective_scan_fwd_kernel,
+        _paged_window_attention_kernel,
+        causal_conv1d_forward._causal_conv1d_fwd_kernel,
+        causal_conv1d_forward._varlen_conv_state_kernel,
+        selective_scan_forward._selective_scan_fwd_kernel,
     ]
-    decode_kernels = [causal_conv1d_triton._causal_conv1d_update_kernel, hybrid_decode_triton._hybrid_decode_kernel]
+    decode_kernels = [causal_conv1d_forward._causal_conv1d_update_kernel, _hybrid_decode_kernel]
 
     for kernel in prefill_kernels + decode_kernels:  # the variants earlier tests compiled would hide new ones
         kernel.device_caches.clear()

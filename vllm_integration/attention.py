@@ -68,8 +68,8 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     the branch's varlen conv and scan kernels."""
 
     def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
-        from modeling.ops.hybrid_decode_triton import hybrid_decode
-        from modeling.ops.paged_attention_triton import paged_window_attention
+        from .ops.hybrid_decode.interface import hybrid_decode
+        from .ops.paged_attention.interface import paged_window_attention
 
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
         key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)

@@ -4,12 +4,17 @@ the SSM history branch, sharing one input and one `o_proj`). Loads a Transformer
 names of layout.py."""
 
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_reduce_scatter
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_reduce_scatter,
+)
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
@@ -21,8 +26,16 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsPP
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    WeightsMapper,
+    extract_layer_index,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+)
+from vllm.sequence import IntermediateTensors
 
 from configuration import HybridConfig
 
@@ -139,29 +152,48 @@ class HybridDecoderLayer(nn.Module):
 
 @support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class HybridModel(nn.Module):
+    """The decoder stack; under pipeline parallelism each rank holds its slice of the layers (with their KV and SSM
+    states), the first rank the embedding, the last the final norm, and the ranks pass (hidden states, residual)."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, vllm_config, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        pp_group = get_pp_group()
+        # The last rank needs the embedding too when the LM head is tied to it.
+        if pp_group.is_first_rank or (config.tie_word_embeddings and pp_group.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: HybridDecoderLayer(config, vllm_config, prefix=prefix),
+            prefix=f"{prefix}.layers",
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp_group.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
-class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
+class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_substr=SSM_RENAMES, orig_to_new_stacked=STACKED_PROJECTIONS)
 
@@ -189,10 +221,14 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid):
             splitting_ops.append(HYBRID_ATTENTION_OP)
         self.config = config
         self.model = HybridModel(vllm_config=vllm_config, prefix="model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
-        if config.tie_word_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+            if config.tie_word_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+            self.logits_processor = LogitsProcessor(config.vocab_size)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):

@@ -40,10 +40,10 @@ from modeling.ops import (
     causal_conv1d_update_ref,
     causal_conv1d_varlen_ref,
     selective_scan_varlen_ref,
-    selective_state_update_ref,
 )
 
 from .layout import a_from_a_log
+from .ops import selective_state_update_ref
 
 
 def finite_a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
@@ -165,9 +165,10 @@ REFERENCE_KERNELS = SSMKernels(
 @functools.cache
 def triton_kernels() -> SSMKernels:
     """The Triton kernels (CUDA); imported on first use so that CPU-only installs never build them."""
-    from modeling.ops.causal_conv1d_triton import causal_conv1d_update, causal_conv1d_varlen_fwd
-    from modeling.ops.hybrid_decode_triton import selective_state_update
-    from modeling.ops.selective_scan_triton import selective_scan_varlen_fwd
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
+    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
+
+    from .ops.hybrid_decode.interface import selective_state_update
 
     return SSMKernels(
         conv_update=causal_conv1d_update,
@@ -300,8 +301,9 @@ class HybridSSMAdapter(MambaBase, nn.Module):
             )  # fmt: skip
             dt, B, C = self.project(u)
             kernels.scan_varlen(
-                u, dt, self.A, B, C, self.D, z[prefill], self.dt_proj.bias, metadata.query_start_loc_p, ssm_state,
-                state_indices, metadata.has_initial_states_p, out=output[prefill], max_seq_len=max_prefill_len,
+                u, dt, self.A, B, C, self.D, z[prefill], ssm_state, metadata.query_start_loc_p, state_indices,
+                metadata.has_initial_states_p, out=output[prefill], dt_bias=self.dt_proj.bias, dt_softplus=True,
+                max_seq_len=max_prefill_len,
             )  # fmt: skip
 
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ accuracy of).
 
 Policy for index tensors (cu_seqlens, state slots, block tables, sequence lengths, seq_idx): int32 or int64, on the
 device of the data, contiguous (kernels read entry i at `pointer + i`, so a strided view such as a column of a wider
-table would read wrong entries); the kernels widen them to int64 before computing offsets. Flags (has_initial_state)
-are bool.
+table would read wrong entries); the kernels widen them to int64 before computing offsets. Block tables are the one
+exception (`check_table`): only their rows need be contiguous. Flags (has_initial_state) are bool.
 """
 
 import functools
@@ -22,8 +22,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def window_or_unbounded(window: int | None) -> int:
-    """The kernels' window argument: DESIGN.md's W (query t sees keys t-W < s <= t), or `NO_WINDOW` for None."""
-    return NO_WINDOW if window is None else window
+    """The kernels' window argument: DESIGN.md's W (query t sees keys t-W < s <= t), or `NO_WINDOW` for None (and for
+    a W beyond it, which no context reaches: the argument stays int32). Raises ValueError for W < 1."""
+    if window is None:
+        return NO_WINDOW
+    if window < 1:
+        raise ValueError(f"window: expected None or >= 1, got {window}")
+    return min(window, NO_WINDOW)
 
 
 def check_index(name: str, tensor: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
@@ -31,6 +36,20 @@ def check_index(name: str, tensor: torch.Tensor, shape: tuple[int, ...], like: t
     if tuple(tensor.shape) != shape or tensor.dtype not in INDEX_DTYPES or not tensor.is_contiguous():
         raise ValueError(
             f"{name}: expected a contiguous int32 or int64 tensor of shape {shape}, got {tensor.dtype} "
+            f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+        )
+    if tensor.device != like.device:
+        raise ValueError(f"{name}: expected a tensor on {like.device}, got one on {tensor.device}")
+
+
+def check_table(name: str, tensor: torch.Tensor, num_rows: int, like: torch.Tensor) -> None:
+    """A 2-D index table of `num_rows` rows (a block table) under the policy above, except that the rows may be
+    strided: kernels read entry j of row i at `pointer + i * row_stride + j`, so only each row must be contiguous."""
+    if not (tensor.dim() == 2 and tensor.shape[0] == num_rows and tensor.dtype in INDEX_DTYPES) or (
+        tensor.shape[1] > 1 and tensor.stride(1) != 1
+    ):
+        raise ValueError(
+            f"{name}: expected an int32 or int64 table of {num_rows} contiguous rows, got {tensor.dtype} "
             f"{tuple(tensor.shape)} with strides {tensor.stride()}"
         )
     if tensor.device != like.device:
@@ -54,6 +73,19 @@ def check_tokens(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> Non
         raise ValueError(f"{name}: expected a floating-point tensor, got {tensor.dtype}")
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
         raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tensor.stride()}")
+
+
+def stride_args(name: str, tensor: torch.Tensor | None, dims: str | tuple[str, ...]) -> dict[str, int]:
+    """A kernel's stride arguments `s_{name}_{d}`, one per letter (or name) d of `dims`, the tensor's dimensions
+    outermost first, computed once per tensor: a tensor with fewer dimensions is one row of the missing outer ones
+    (stride 0: a packed [T, E] batch read as [B, T, E]); None gives zeros (an absent tensor, which the kernel does not
+    read)."""
+    if tensor is None:
+        return {f"s_{name}_{d}": 0 for d in dims}
+    missing = len(dims) - tensor.dim()
+    if missing < 0:
+        raise ValueError(f"{name}: expected at most {len(dims)} dimensions ({dims}), got {tuple(tensor.shape)}")
+    return {f"s_{name}_{d}": tensor.stride(i - missing) if i >= missing else 0 for i, d in enumerate(dims)}
 
 
 @functools.cache

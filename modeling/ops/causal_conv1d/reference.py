@@ -1,11 +1,11 @@
 """Causal depthwise conv1d of the SSM branch: the plain-PyTorch references every kernel of this op is tested against
-(the Triton kernels are in causal_conv1d_triton.py, one reference per public kernel function, same signatures).
+(the Triton kernels are behind interface.py, one reference per public kernel function, same signatures).
 
-Glossary of dimension letters:
+Glossary of dimension letters (one meaning per letter across modeling/ops):
     B  batch                     T  time (tokens of one sequence, or of a packed batch)
     E  SSM channels              K  conv kernel width (taps); a sequence's history is its last K-1 inputs
     S  sequences of a packed batch, delimited by `cu_seqlens` [S+1] (sequence s owns rows cu[s]..cu[s+1]-1)
-    N  decode requests (one token each)
+    R  decode requests (one token each)
     slots  rows of the serving conv-state cache, one per running request
 
 The op (DESIGN.md, "SSM history branch"), per channel e and token t of a sequence:
@@ -28,7 +28,7 @@ def check_activation(activation: str | None) -> None:
 def _depthwise_causal(
     padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation
 ) -> torch.Tensor:
-    """padded [n, E, K-1+L] (history then inputs) -> [n, E, L], in padded's dtype."""
+    """padded [B, E, K-1+T] (history then inputs) -> [B, E, T], in padded's dtype."""
     y = F.conv1d(
         padded,
         weight[:, None, :].to(padded.dtype),
@@ -103,9 +103,9 @@ def causal_conv1d_varlen_ref(
         weight: [E, K]. bias: [E] or None.
         conv_state: [slots, E, K-1] in the cache dtype, any strides; updated in place: each sequence's slot receives
             the last K-1 entries of (history, its inputs), so a sequence shorter than K-1 keeps part of its history.
-        cu_seqlens: [S+1] int32, sequence s owns rows cu_seqlens[s]..cu_seqlens[s+1]-1; rows past cu_seqlens[-1]
+        cu_seqlens: [S+1] int32 or int64, sequence s owns rows cu_seqlens[s]..cu_seqlens[s+1]-1; rows past cu_seqlens[-1]
             are padding.
-        state_indices: [S] int32 slot per sequence; -1 marks a padding sequence (no state read or written).
+        state_indices: [S] int32 or int64 slot per sequence; -1 marks a padding sequence (no state read or written).
         has_initial_state: [S] bool; False means the history is zeros whatever the slot holds.
         out: [T, E] written in place when given.
 
@@ -120,9 +120,9 @@ def causal_conv1d_varlen_ref(
     for seq, (slot, continues) in enumerate(zip(state_indices.tolist(), has_initial_state.tolist())):
         if slot < 0:
             continue
-        seq_x = x[bounds[seq] : bounds[seq + 1]].float().T  # [E, L]
+        seq_x = x[bounds[seq] : bounds[seq + 1]].float().T  # [E, T]
         history = conv_state[slot].float() if continues else seq_x.new_zeros(seq_x.shape[0], width - 1)
-        padded = torch.cat([history, seq_x], dim=-1)  # [E, K-1+L]
+        padded = torch.cat([history, seq_x], dim=-1)  # [E, K-1+T]
         if seq_x.shape[1]:  # an empty sequence only rewrites its history
             out[bounds[seq] : bounds[seq + 1]] = _depthwise_causal(padded[None], weight.float(), bias, activation)[0].T
         conv_state[slot] = padded[:, padded.shape[1] - (width - 1) :].to(conv_state.dtype)
@@ -143,16 +143,16 @@ def causal_conv1d_update_ref(
     """One decode step per request (reference of `causal_conv1d_update`).
 
     Args:
-        x: [N, E] the new token of each request, any strides.
+        x: [R, E] the new token of each request, any strides.
         weight: [E, K]. bias: [E] or None.
         conv_state: [slots, E, K-1], any strides; the request's slot is shifted by one and receives x (in place).
-        state_indices: [N] int32 slot per request; -1 marks a padding row (output zeros, no state touched).
-        out: [N, E] written in place when given.
-        has_initial_state: [N] bool; False: the request's first token (its history is zeros whatever the slot
+        state_indices: [R] int32 or int64 slot per request; -1 marks a padding row (output zeros, no state touched).
+        out: [R, E] written in place when given.
+        has_initial_state: [R] bool; False: the request's first token (its history is zeros whatever the slot
             holds; the slot is written as usual). None: every request continues from its slot.
 
     Returns:
-        out [N, E] in x.dtype.
+        out [R, E] in x.dtype.
     """
     check_activation(activation)
     out = torch.empty_like(x) if out is None else out

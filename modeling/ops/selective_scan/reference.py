@@ -1,16 +1,29 @@
-"""Mamba-1 selective scan: the plain-PyTorch reference every kernel of this op is tested against.
+"""Mamba-1 selective scan: the plain-PyTorch references every kernel of this op is tested against (the Triton kernels
+are behind interface.py, one reference per public kernel function, same signatures).
 
-Glossary of dimension letters:
-    B  batch            T  time (tokens)
+Glossary of dimension letters (one meaning per letter across modeling/ops):
+    B  batch            T  time (tokens of one sequence, or of a packed batch)
     E  SSM channels     N  state size per channel
+    S  sequences of a packed batch, delimited by `cu_seqlens` [S+1] (sequence s owns tokens cu[s]..cu[s+1]-1)
+    slots  rows of the serving ssm-state cache, one per running request
 
 The recurrence (DESIGN.md, "SSM history branch"), per channel e and time t, in fp32:
     state_t = exp(dt_t * A) * state_{t-1} + (dt_t * u_t) * B_t
     y_t     = (state_t @ C_t + D * u_t) * silu(z_t)
+The step dt_t comes from the `dt` argument as in mamba_ssm (delta_bias, delta_softplus):
+    step = softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given).
 """
 
 import torch
 import torch.nn.functional as F
+
+
+def dt_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+    """The step of the recurrence from the `dt` argument, in fp32 (the module docstring's rule)."""
+    step = dt.float()
+    if dt_bias is not None:
+        step = step + dt_bias.float()
+    return F.softplus(step) if dt_softplus else step
 
 
 def selective_scan_ref(
@@ -23,12 +36,16 @@ def selective_scan_ref(
     z: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selective scan over a batch of sequences, token-major layout.
+    """Selective scan over a batch of sequences, token-major layout (reference of `selective_scan_fn`).
 
     Args:
         u:  [B, T, E] conv output (after silu), any float dtype.
-        dt: [B, T, E] step sizes, already `softplus(dt_proj(...))`; a zero step leaves the state untouched.
+        dt: [B, T, E] step sizes: the step is `dt` itself (the model passes `softplus(dt_proj(...))`), or see
+            dt_bias / dt_softplus; a zero step leaves the state untouched.
         A:  [E, N] negative decay rates (`-exp(A_log)`).
         B:  [B, T, N] input projection of the state.
         C:  [B, T, N] output projection of the state.
@@ -38,12 +55,14 @@ def selective_scan_ref(
         seq_idx: [B, T] integer index of the sequence each token belongs to, for rows that pack several sequences
             (padding-free training; mamba_ssm's convention). Where it changes between two tokens the state restarts
             from zero; the initial state belongs to the row's first sequence. `None`: one sequence per row.
+        dt_bias: [E] added to dt (mamba_ssm's delta_bias), or None.
+        dt_softplus: step = softplus(dt (+ dt_bias)) (mamba_ssm's delta_softplus).
 
     Returns:
         y: [B, T, E] in `u.dtype`, and the final state [B, E, N] in fp32 (that of the row's last sequence).
     """
     batch_size, seq_len, num_channels = u.shape
-    u_f, dt_f, B_f, C_f = u.float(), dt.float(), B.float(), C.float()
+    u_f, dt_f, B_f, C_f = u.float(), dt_step(dt, dt_bias, dt_softplus), B.float(), C.float()
     A_f = A.float()
     if initial_state is None:
         state = u.new_zeros(batch_size, num_channels, A.shape[-1], dtype=torch.float32)
@@ -78,34 +97,38 @@ def selective_scan_varlen_ref(
     C: torch.Tensor,
     D: torch.Tensor,
     z: torch.Tensor,
-    dt_bias: torch.Tensor,
-    cu_seqlens: torch.Tensor,
     ssm_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor | None,
-    out: torch.Tensor,
+    out: torch.Tensor | None = None,
     *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Serving prefill over packed sequences, continuing each from its state-cache slot; reference of
-    `selective_scan_varlen_fwd` (selective_scan_triton.py), same signature.
+    `selective_scan_varlen_fwd`, same signature. The cache comes after the op's own tensors and before the batch
+    description, as in `causal_conv1d_varlen_ref`.
 
     Args:
-        u, z: [T_total, E] packed tokens of all sequences.
-        dt: [T_total, E] RAW dt_proj output without its bias: the step is `softplus(dt + dt_bias)` in fp32.
-        A: [E, N]; B, C: [T_total, N]; D, dt_bias: [E].
-        cu_seqlens: [S + 1] int32, sequence i is tokens `cu_seqlens[i]:cu_seqlens[i + 1]`.
-        ssm_state: [num_slots, E, N] state cache, updated in place (each sequence's final state, in its dtype).
-        state_indices: [S] int32 slot of each sequence; -1 marks a padding sequence, which is skipped (its tokens
-            get zeros in `out`, no slot is read or written).
+        u, z: [T, E] packed tokens of all sequences.
+        dt: [T, E] step sizes, as in `selective_scan_ref` (serving passes the raw dt_proj output without its bias,
+            with dt_bias and dt_softplus=True: the step is `softplus(dt + dt_bias)` in fp32).
+        A: [E, N]; B, C: [T, N]; D: [E].
+        ssm_state: [slots, E, N] state cache, updated in place (each sequence's final state, in its dtype).
+        cu_seqlens: [S + 1] int32 or int64, sequence s is tokens `cu_seqlens[s]:cu_seqlens[s + 1]`.
+        state_indices: [S] int32 or int64 slot of each sequence; -1 marks a padding sequence, which is skipped (its
+            tokens get zeros in `out`, no slot is read or written).
         has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
-        out: [T_total, E] written with `y * silu(z)`.
+        out: [T, E] written with `y * silu(z)`; None: a new tensor in u's dtype.
+        dt_bias: [E] or None; dt_softplus: as in `selective_scan_ref`.
         max_seq_len: the kernel's launch hint (the longest sequence); the reference loops over `cu_seqlens`.
 
     Returns:
         `out`.
     """
-    step = F.softplus(dt.float() + dt_bias.float())  # [T_total, E]
+    out = torch.empty(u.shape, dtype=u.dtype, device=u.device) if out is None else out
     starts = cu_seqlens.tolist()
     slots = state_indices.tolist()
     continues_from_slot = has_initial_state.tolist() if has_initial_state is not None else [False] * len(slots)
@@ -116,7 +139,14 @@ def selective_scan_varlen_ref(
             continue
         initial = ssm_state[slot][None].float() if continues else None
         y, state = selective_scan_ref(
-            u[None, tokens], step[None, tokens], A, B[None, tokens], C[None, tokens], D, z[None, tokens], initial
+            *(x[None, tokens] for x in (u, dt)),
+            A,
+            *(x[None, tokens] for x in (B, C)),
+            D,
+            z[None, tokens],
+            initial,
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
         )
         out[tokens] = y[0].to(out.dtype)
         ssm_state[slot] = state[0].to(ssm_state.dtype)

@@ -1,12 +1,14 @@
-"""Decode step of the hybrid layer: plain-PyTorch references for the kernels in hybrid_decode_triton.py.
+"""Decode step of the hybrid layer: plain-PyTorch references of the decode kernels (`selective_state_update` and
+`hybrid_decode` in interface.py, same signatures; tests in tests/vllm_ops/test_hybrid_decode.py).
 
-Glossary of dimension letters:
-    B    decoding requests in the batch (one new token each)
+Glossary of dimension letters (as in ../paged_attention/reference.py):
+    B    decoding requests in the batch (one new token each). `B`, `C` and `D` the tensors are the SSM's projections
+         and skip connection, as in DESIGN.md.
     H    query heads          KVH  key/value heads (H % KVH == 0)      G  H / KVH query heads per kv head
-    D    head dim (in attention shapes; `D` the tensor is the SSM skip connection [E])
-    W    sliding window       P    page (block) size of the paged KV cache
+    D    head dim             W    sliding window                     P  tokens per KV cache block (page size)
     NB   physical KV blocks   MB   logical blocks per request (block table width)
-    S    SSM state slots      E    SSM channels                         N  state size per channel
+    E    SSM channels         N    state size per channel
+The SSM state cache [slots, E, N] has a row per running request: `slots` is a count of its own, not B.
 
 Two jobs per decoding request i, both reading one cache and writing one output:
     attention    query i sits at position seq_lens[i] - 1 and attends to the keys s with
@@ -25,8 +27,9 @@ Two jobs per decoding request i, both reading one cache and writing one output:
 import torch
 import torch.nn.functional as F
 
-from .paged_attention import paged_window_attention_ref
-from .selective_scan import selective_scan_ref
+from modeling.ops.selective_scan import selective_scan_ref
+
+from ..paged_attention.reference import paged_window_attention_ref
 
 
 def selective_state_update_ref(
@@ -45,15 +48,15 @@ def selective_state_update_ref(
     has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One selective-scan step per decoding request, reading and writing its state slot. Reference of
-    `hybrid_decode_triton.selective_state_update` (same signature).
+    `selective_state_update` (interface.py, same signature).
 
     Args:
-        ssm_state: [S, E, N] state cache (fp32, bf16 or fp16), updated in place for the slots in `state_indices`.
+        ssm_state: [slots, E, N] state cache (fp32, bf16 or fp16), updated in place for the slots in `state_indices`.
         u:  [B, E] conv output (after silu).
         dt: [B, E] raw `dt_proj` output WITHOUT its bias: the step is `softplus(dt + dt_bias)`, in fp32.
         A:  [E, N] fp32 negative decay rates.   B, C: [B, N] projections of the state.
         D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
-        state_indices: [B] int32 slot of each request; -1 marks a padding row.
+        state_indices: [B] int32/int64 slot of each request; -1 marks a padding row.
         out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
         has_initial_state: [B] bool; False: the request's first token, which starts from a zero state whatever its
             slot holds (the slot is written as usual). None: every request continues from its slot.
@@ -97,8 +100,8 @@ def window_attention_decode_ref(
     Args:
         query: [B, H, D] (RoPE applied), the token at position seq_lens[i] - 1.
         key_cache, value_cache: [NB, P, KVH, D], any strides.
-        block_table: [B, MB] int32, logical block -> physical block; blocks before the window are never touched.
-        seq_lens: [B] int32 context length including the new token (whose K/V is already cached); 0 = padding.
+        block_table: [B, MB] int32/int64, logical block -> physical block; blocks before the window are never touched.
+        seq_lens: [B] int32/int64 context length including the new token (whose K/V is already cached); 0 = padding.
         scale: softmax scale.   window: W, or None for full attention.
         attn_out: [B, H, D] written and returned.
     """
@@ -137,8 +140,8 @@ def hybrid_decode_ref(
     has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both halves of a hybrid layer's decode step: `window_attention_decode_ref` then `selective_state_update_ref`
-    (see them for the arguments). Reference of `hybrid_decode_triton.hybrid_decode` (same signature), which does both
-    in one launch. Returns (attn_out [B, H, D], ssm_out [B, E])."""
+    (see them for the arguments). Reference of `hybrid_decode` (interface.py, same signature), which does both in one
+    launch. Returns (attn_out [B, H, D], ssm_out [B, E])."""
     window_attention_decode_ref(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out)
     selective_state_update_ref(
         ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state

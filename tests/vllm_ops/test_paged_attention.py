@@ -1,74 +1,44 @@
-"""The Triton paged sliding-window attention against `paged_window_attention_ref`, in Triton's interpreter on CPU
-machines: mixed batches of prefills, chunked prefills and decodes in vLLM's paged layouts, with everything the
-kernel must not read (freed blocks, slots before the window or past the sequence) poisoned with NaN."""
+"""The Triton paged sliding-window attention (vllm_integration/ops/paged_attention) against
+`paged_window_attention_ref`, in Triton's interpreter on CPU machines: mixed batches of prefills, chunked prefills
+and decodes in vLLM's paged layouts, with everything the kernel must not read (freed blocks, slots before the window
+or past the sequence) poisoned with NaN."""
 
 import importlib
 
 import pytest
 import torch
 from conftest import compiled_variants
+from paged_cache import DEVICE, paged_kv_cache
 
-from modeling.ops.paged_attention import paged_window_attention_ref
+from vllm_integration.ops import paged_window_attention_ref
 
 pytest.importorskip("triton")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-NULL_BLOCK = 0  # vLLM points freed and unused table entries at a null block; here it is full of NaN
 
 
 @pytest.fixture(scope="module")
 def attention():
     """The kernel, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET before triton loads)."""
-    return importlib.import_module("modeling.ops.paged_attention_triton").paged_window_attention
+    return importlib.import_module("vllm_integration.ops.paged_attention.interface").paged_window_attention
 
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, window, dtype, layout="triton", pad_tokens=0,
                seed=0):  # fmt: skip
-    """Packed queries and a paged cache for sequences given as (seq_len, q_len).
-
-    Physical blocks are handed out in a random order (block 0 is the null block). Blocks wholly before the window of
-    a sequence's first query are "freed": their table entries point at the null block. Every cache slot no query may
-    see (before that window, past the sequence, the null block, blocks nobody owns) holds NaN.
-    `layout`: "triton" = vLLM's Triton backend views `kv.transpose(1, 2).split(D, -1)` of one [NB, KVH, BS, 2D]
-    tensor; "flash" = [2, NB, BS, KVH, D]. `pad_tokens` query rows past the last sequence stand for CUDA-graph
-    padding.
-    """
+    """Packed queries and a poisoned paged cache (`paged_kv_cache`) for sequences given as (seq_len, q_len), with
+    vLLM's metadata. `pad_tokens` query rows past the last sequence stand for CUDA-graph padding."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-seq_len // block_size) for seq_len, _ in seqs]
-    max_blocks = max(blocks_per_seq) + 1  # a spare column: table entries past a sequence's end
-    num_blocks = 1 + sum(blocks_per_seq) + 3  # null block, the sequences' blocks, blocks nobody owns
-    # Views are taken on the device: moving a view would make it contiguous.
-    if layout == "triton":
-        kv = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
-    else:
-        kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = kv[0], kv[1]
-    visible = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    block_table = torch.full((len(seqs), max_blocks), NULL_BLOCK, dtype=torch.int32)
-    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    for i, (seq_len, q_len) in enumerate(seqs):
-        first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
-        for j in range(blocks_per_seq[i]):
-            block = physical.pop()
-            if (j + 1) * block_size <= first_key:
-                continue  # freed: the table entry stays on the null block
-            block_table[i, j] = block
-            slots = torch.arange(block_size) + j * block_size
-            visible[block] = (slots >= first_key) & (slots < seq_len)
-    key_cache[~visible.to(DEVICE)] = float("nan")
-    value_cache[~visible.to(DEVICE)] = float("nan")
-
-    q_lens = [q_len for _, q_len in seqs]
-    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32)
+    seq_lens, q_lens = [seq_len for seq_len, _ in seqs], [q_len for _, q_len in seqs]
+    key_cache, value_cache, block_table = paged_kv_cache(
+        seq_lens, window, block_size, num_kv_heads, head_dim, dtype, layout, g, q_lens=q_lens
+    )
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
     num_tokens = sum(q_lens) + pad_tokens
     # Queries as vLLM slices them out of the fused qkv projection: a strided view.
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
     query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    metadata = (t.to(DEVICE) for t in (block_table, query_start_loc, seq_lens))
-    return query, key_cache, value_cache, *metadata
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return query, key_cache, value_cache, block_table, query_start_loc, seq_lens
 
 
 def poisoned_out(query):
@@ -108,7 +78,7 @@ CASES = [  # seqs, H, KVH, D, block_size, window, dtype, layout
 
 def case_id(case):
     _, heads, kv_heads, head_dim, block_size, window, dtype, layout = case
-    return f"H{heads}-KVH{kv_heads}-D{head_dim}-BS{block_size}-W{window}-{str(dtype)[6:]}-{layout}"
+    return f"H{heads}-KVH{kv_heads}-D{head_dim}-P{block_size}-W{window}-{str(dtype)[6:]}-{layout}"
 
 
 @pytest.mark.parametrize("seqs,heads,kv_heads,head_dim,block_size,window,dtype,layout", CASES,
@@ -118,7 +88,7 @@ def test_mixed_batch_matches_reference(attention, seqs, heads, kv_heads, head_di
     check(attention, batch, window)
 
 
-TILINGS = [  # block_q, block_n, num_splits: many query blocks and key tiles, so every mask phase runs
+TILINGS = [  # block_q, block_keys, num_splits: many query blocks and key tiles, so every mask phase runs
     (1, 16, 1),
     (4, 16, 1),
     (2, 32, 3),
@@ -127,13 +97,13 @@ TILINGS = [  # block_q, block_n, num_splits: many query blocks and key tiles, so
 
 
 @pytest.mark.parametrize(
-    "block_q,block_n,num_splits", TILINGS, ids=[f"BQ{c[0]}-BN{c[1]}-split{c[2]}" for c in TILINGS]
+    "block_q,block_keys,num_splits", TILINGS, ids=[f"BQ{c[0]}-BK{c[1]}-split{c[2]}" for c in TILINGS]
 )
 @pytest.mark.parametrize("window", [6, 19, None], ids=lambda w: f"W{w}")
-def test_tilings_match_reference(attention, block_q, block_n, num_splits, window):
+def test_tilings_match_reference(attention, block_q, block_keys, num_splits, window):
     seqs = [(37, 13), (23, 1), (0, 0), (20, 20), (33, 2)]
     batch = make_batch(seqs, 4, 2, 16, 16, window, torch.float32, pad_tokens=2, seed=1)
-    check(attention, batch, window, block_q=block_q, block_n=block_n, num_splits=num_splits)
+    check(attention, batch, window, block_q=block_q, block_keys=block_keys, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 4], ids=lambda n: f"split{n}")
@@ -174,7 +144,7 @@ def test_bad_inputs_are_named(attention):
 def test_prefill_compiles_once_for_every_query_length(attention):
     """Serving hands the prefill path batches whose longest query is anything from 2 tokens (vLLM's warm-up batch)
     to a whole chunk: one compilation serves them all (a variant per length would stall serving for seconds)."""
-    from modeling.ops.paged_attention_triton import _paged_window_attention_kernel as kernel
+    from vllm_integration.ops.paged_attention.kernel import _paged_window_attention_kernel as kernel
 
     kernel.device_caches.clear()  # earlier tests' variants
 

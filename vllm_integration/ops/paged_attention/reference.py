@@ -1,12 +1,12 @@
-"""Sliding-window attention over vLLM's paged KV cache: the plain-PyTorch reference every kernel of this op is tested
-against (`paged_window_attention` in paged_attention_triton.py has the same signature).
+"""Sliding-window attention over vLLM's paged KV cache: the plain-PyTorch reference of the paged window attention
+kernels (`paged_window_attention` in interface.py, same signature; tests in tests/vllm_ops/test_paged_attention.py).
 
-Glossary of dimension letters:
-    S  sequences in the batch           T  query tokens of all sequences, packed (T_total)
+Glossary of dimension letters (shared by every op of vllm_integration/ops):
+    S  sequences in the batch           T  query tokens of all sequences, packed
     H  query heads                      KVH  key/value heads (GQA: H % KVH == 0, G = H // KVH heads share one)
     D  head dim                         W  window (keys a query sees, itself included)
-    NB physical blocks in the cache     BS tokens per block (block_size)
-    MB logical blocks per sequence in the block table (max_blocks_per_seq)
+    NB physical blocks of the cache     P  tokens per block (vLLM's block_size, the page size)
+    MB logical blocks per sequence in the block table (its width)
 
 Semantics (DESIGN.md, "Attention"): the query at absolute position t attends to keys s with t - W < s <= t on a
 sliding layer (`window=W`), 0 <= s <= t on a full-attention layer (`window=None`); softmax in fp32. Sequence i owns
@@ -14,8 +14,8 @@ query rows query_start_loc[i]:query_start_loc[i+1] of `query` and has seq_lens[i
 tokens included, so its q_len_i queries sit at positions seq_lens[i] - q_len_i .. seq_lens[i] - 1. This covers
 prefill (q_len == seq_len), chunked prefill (q_len < seq_len) and decode (q_len == 1) in one batch.
 
-Paged layout (vLLM): token s of sequence i lives in physical block block_table[i, s // BS], slot s % BS, of
-key_cache / value_cache [NB, BS, KVH, D]. With a sliding-window KV spec vLLM frees the blocks that fell out of the
+Paged layout (vLLM): token s of sequence i lives in physical block block_table[i, s // P], slot s % P, of
+key_cache / value_cache [NB, P, KVH, D]. With a sliding-window KV spec vLLM frees the blocks that fell out of the
 window and points their table entries at a null block, so nothing before the window may be read.
 """
 
@@ -37,10 +37,10 @@ def paged_window_attention_ref(
 
     Args:
         query: [T, H, D] packed queries of S sequences, RoPE applied; any strides.
-        key_cache, value_cache: [NB, BS, KVH, D] paged cache, any strides; the new tokens' K/V already written.
-        block_table: [S, MB] int32, logical block j of sequence i -> physical block block_table[i, j].
-        query_start_loc: [S + 1] int32, cumulative query counts (query_start_loc[0] == 0).
-        seq_lens: [S] int32, tokens in the cache per sequence, new tokens included (>= its query count).
+        key_cache, value_cache: [NB, P, KVH, D] paged cache, any strides; the new tokens' K/V already written.
+        block_table: [S, MB] int32/int64, logical block j of sequence i -> physical block block_table[i, j].
+        query_start_loc: [S + 1] int32/int64, cumulative query counts (query_start_loc[0] == 0).
+        seq_lens: [S] int32/int64, tokens in the cache per sequence, new tokens included (>= its query count).
         scale: softmax scale (1/sqrt(D)).
         window: W for a sliding layer (t - W < s <= t), None for full causal attention.
         out: [T, H, D] written in place when given.

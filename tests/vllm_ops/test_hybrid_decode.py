@@ -1,26 +1,26 @@
-"""The decode kernels (`selective_state_update`, the fused `hybrid_decode`) against their references in
-hybrid_decode.py, in Triton's interpreter on CPU machines."""
+"""The decode kernels (`selective_state_update`, the fused `hybrid_decode`: vllm_integration/ops/hybrid_decode)
+against their references, in Triton's interpreter on CPU machines; the paged KV caches are poisoned outside every
+request's window (paged_cache.py)."""
 
 import importlib
-import math
 
 import pytest
 import torch
 from conftest import compiled_variants
+from paged_cache import DEVICE, paged_kv_cache
 
-from modeling.ops.hybrid_decode import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
 from modeling.ops.selective_scan import selective_scan_ref
+from vllm_integration.ops import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
 
 pytest.importorskip("triton")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernel module, imported after conftest has set TRITON_INTERPRET on CPU machines."""
-    return importlib.import_module("modeling.ops.hybrid_decode_triton")
+    """The kernels' interface, imported after conftest has set TRITON_INTERPRET on CPU machines."""
+    return importlib.import_module("vllm_integration.ops.hybrid_decode.interface")
 
 
 def dtype_id(dtype: torch.dtype) -> str:
@@ -99,7 +99,7 @@ def test_selective_state_update_strided_state(kernels):
         batch, channels, state, num_slots, torch.float32, torch.float32, g
     )
     backing = torch.randn(num_slots, channels, 2 * state, generator=g).to(DEVICE)
-    strided = backing[:, :, 1::2]  # [S, E, N] with element stride 2 and slot stride 2EN
+    strided = backing[:, :, 1::2]  # [slots, E, N] with element stride 2 and slot stride 2EN
     state_ref = strided.clone()
     state_indices = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     backing_before = backing.clone()
@@ -112,38 +112,7 @@ def test_selective_state_update_strided_state(kernels):
     assert torch.equal(backing[[1, 3]], backing_before[[1, 3]])
 
 
-def make_paged_kv(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, layout, g):
-    """A paged KV cache holding each request's context at permuted physical blocks.
-
-    layout "triton": one [NB, KVH, P, 2D] tensor, K and V handed out as `transpose(1, 2).split(D, -1)` views (vLLM's
-    Triton backend); "flash": [2, NB, P, KVH, D]. Block 0 is the null block. Blocks wholly before the window point
-    at it, and it, like every slot outside a request's window (older tokens of the window's first block, the unused
-    end of the last block), holds NaN: a kernel that reads any of them fails."""
-    blocks_per_request = [math.ceil(n / page_size) for n in seq_lens]
-    num_blocks = 1 + sum(blocks_per_request) + 2
-    if layout == "triton":
-        packed = torch.randn(num_blocks, num_kv_heads, page_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = packed.transpose(1, 2).split(head_dim, dim=-1)
-    else:
-        packed = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = packed[0], packed[1]
-    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_request) + 1, dtype=torch.int32)
-    key_cache[0] = value_cache[0] = float("nan")
-    for i, seq_len in enumerate(seq_lens):
-        start = 0 if window is None else max(0, seq_len - window)
-        for j in range(blocks_per_request[i]):
-            if (j + 1) * page_size <= start:
-                continue  # freed: stays on the null block
-            block = physical.pop()
-            block_table[i, j] = block
-            for slot in range(page_size):
-                if not start <= j * page_size + slot < seq_len:
-                    key_cache[block, slot] = value_cache[block, slot] = float("nan")
-    return key_cache, value_cache, block_table.to(DEVICE)
-
-
-DECODE_CASES = [  # dtype, head dim, page, (H, KVH), window, layout, state dtype, block_n, splits
+DECODE_CASES = [  # dtype, head dim, page, (H, KVH), window, layout, state dtype, block_keys, splits
     (torch.float32, 16, 16, (4, 4), 7, "triton", torch.float32, 16, 1),
     (torch.bfloat16, 32, 32, (8, 2), 20, "triton", torch.bfloat16, 16, 3),
     (torch.float16, 16, 16, (8, 2), None, "flash", torch.float32, 16, 2),
@@ -154,27 +123,27 @@ DECODE_CASES = [  # dtype, head dim, page, (H, KVH), window, layout, state dtype
 
 
 def decode_id(case) -> str:
-    dtype, head_dim, page, (heads, kv_heads), window, layout, state_dtype, block_n, splits = case
+    dtype, head_dim, page, (heads, kv_heads), window, layout, state_dtype, block_keys, splits = case
     return (
         f"{dtype_id(dtype)}-D{head_dim}-P{page}-H{heads}kv{kv_heads}-W{window}-{layout}-state_{dtype_id(state_dtype)}"
-        f"-bn{block_n}-split{splits}"
+        f"-bk{block_keys}-split{splits}"
     )
 
 
 @pytest.mark.parametrize(
-    "dtype,head_dim,page_size,heads,window,layout,state_dtype,block_n,splits",
+    "dtype,head_dim,page_size,heads,window,layout,state_dtype,block_keys,splits",
     DECODE_CASES,
     ids=[decode_id(c) for c in DECODE_CASES],
 )
 def test_hybrid_decode_matches_reference(
-    kernels, dtype, head_dim, page_size, heads, window, layout, state_dtype, block_n, splits
+    kernels, dtype, head_dim, page_size, heads, window, layout, state_dtype, block_keys, splits
 ):
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(head_dim * page_size + num_heads)
     # Contexts of odd lengths, a single-token one, and a CUDA-graph padding row (seq_len 0, slot -1) at index 2.
     seq_lens = [37, 1, 0, 64, 23, 50]
     batch, channels, state, num_slots = len(seq_lens), 40, 16, 9
-    key_cache, value_cache, block_table = make_paged_kv(
+    key_cache, value_cache, block_table = paged_kv_cache(
         seq_lens, window, page_size, num_kv_heads, head_dim, dtype, layout, g
     )
     qkv = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
@@ -193,7 +162,7 @@ def test_hybrid_decode_matches_reference(
     result = kernels.hybrid_decode(
         *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
         *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
-        block_n=block_n,
+        block_keys=block_keys,
         num_splits=splits,
         block_e=16,
     )
@@ -227,7 +196,7 @@ def test_first_token_rows_start_from_a_zero_state(kernels, fused):
     state_ref = ssm_state.clone()
     ssm_out = torch.full_like(u, float("nan"))
     if fused:
-        key_cache, value_cache, block_table = make_paged_kv(seq_lens, 24, 16, 2, 16, torch.float32, "triton", g)
+        key_cache, value_cache, block_table = paged_kv_cache(seq_lens, 24, 16, 2, 16, torch.float32, "triton", g)
         query = torch.randn(batch, 4, 16, generator=g).to(DEVICE)
         seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
         attn_out = torch.full_like(query, float("nan"))
@@ -267,7 +236,7 @@ def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
     g = torch.Generator().manual_seed(21)
     window, scale = 24, 16**-0.5
     lengths = [37, 1, 0, 64]
-    key_cache, value_cache, block_table = make_paged_kv(lengths, window, 16, 2, 16, torch.float32, "triton", g)
+    key_cache, value_cache, block_table = paged_kv_cache(lengths, window, 16, 2, 16, torch.float32, "triton", g)
     query = torch.randn(4, 4, 16, generator=g).to(DEVICE)
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(4, 40, 16, 9, torch.float32, torch.float32, g)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
@@ -324,7 +293,7 @@ def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(ke
 
     def launch(batch, splits):
         lengths = [40] * batch  # the same block-table width (a specialized stride) for every batch
-        key_cache, value_cache, block_table = make_paged_kv(
+        key_cache, value_cache, block_table = paged_kv_cache(
             lengths, window, 16, num_kv_heads, head_dim, torch.float32, "triton", g
         )
         query = torch.randn(batch, num_heads, head_dim, generator=g).to(DEVICE)
@@ -345,10 +314,11 @@ def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(ke
 
     launch(1, 2)
     launch(1, 1)
-    compiled = compiled_variants(kernels._hybrid_decode_kernel)
+    kernel = importlib.import_module("vllm_integration.ops.hybrid_decode.kernel")._hybrid_decode_kernel
+    compiled = compiled_variants(kernel)
     for batch, splits in [(3, 3), (6, 2), (2, 5), (5, 1), (7, 4), (16, 1)]:
         launch(batch, splits)
-    assert compiled_variants(kernels._hybrid_decode_kernel) == compiled
+    assert compiled_variants(kernel) == compiled
 
 
 def test_hybrid_decode_split_counters_reset(kernels):
@@ -356,7 +326,7 @@ def test_hybrid_decode_split_counters_reset(kernels):
     layer) merges its splits correctly too."""
     g = torch.Generator().manual_seed(3)
     seq_lens, window, num_heads, num_kv_heads, head_dim = [29, 45, 12], 24, 4, 2, 16
-    key_cache, value_cache, block_table = make_paged_kv(
+    key_cache, value_cache, block_table = paged_kv_cache(
         seq_lens, window, 16, num_kv_heads, head_dim, torch.float32, "triton", g
     )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(DEVICE)
@@ -373,7 +343,7 @@ def test_hybrid_decode_split_counters_reset(kernels):
         kernels.hybrid_decode(
             *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
             *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u)),
-            block_n=16,
+            block_keys=16,
             num_splits=3,
             counters=counters,
         )
@@ -381,13 +351,43 @@ def test_hybrid_decode_split_counters_reset(kernels):
         torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
 
 
+def test_hybrid_decode_takes_int64_metadata_and_a_strided_table(kernels):
+    """Index tensors as triton_utils' policy has them: slots, lengths and the block table int32 or int64, the table
+    a row-strided view (every other row of a wider one)."""
+    g = torch.Generator().manual_seed(9)
+    lengths, window, num_heads, num_kv_heads, head_dim = [37, 1, 0, 20], 12, 4, 2, 16
+    key_cache, value_cache, block_table = paged_kv_cache(
+        lengths, window, 16, num_kv_heads, head_dim, torch.float32, "triton", g
+    )
+    wide = torch.full((2 * len(lengths), block_table.shape[1]), -7, dtype=torch.int64, device=DEVICE)
+    wide[::2] = block_table
+    query = torch.randn(len(lengths), num_heads, head_dim, generator=g).to(DEVICE)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(4, 24, 8, 6, torch.float32, torch.float32, g)
+    state_indices = torch.tensor([4, 0, -1, 2], dtype=torch.int64, device=DEVICE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int64, device=DEVICE)
+    scale, state_ref = head_dim**-0.5, ssm_state.clone()
+    attn_out, ssm_out = torch.full_like(query, float("nan")), torch.full_like(u, float("nan"))
+    kernels.hybrid_decode(
+        *(query, key_cache, value_cache, wide[::2], seq_lens, scale, window, attn_out),
+        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+        num_splits=2,
+    )
+    attn_ref, ssm_ref = hybrid_decode_ref(
+        *(query, key_cache, value_cache, block_table, seq_lens, scale, window, torch.empty_like(query)),
+        *(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, torch.empty_like(u)),
+    )
+    torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm_out, ssm_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_inputs_name_the_tensor(kernels):
     g = torch.Generator().manual_seed(0)
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(2, 16, 4, 3, torch.float32, torch.float32, g)
     out = torch.empty_like(u)
-    with pytest.raises(ValueError, match="state_indices"):
+    with pytest.raises(ValueError, match="state_indices"):  # slots are int32 or int64
         kernels.selective_state_update(
-            ssm_state, u, dt, A, B, C, D, z, dt_bias, torch.tensor([0, 1], device=DEVICE), out
+            ssm_state, u, dt, A, B, C, D, z, dt_bias, torch.tensor([0.0, 1.0], device=DEVICE), out
         )
     with pytest.raises(ValueError, match="ssm_state"):
         kernels.selective_state_update(
@@ -403,7 +403,7 @@ def test_bad_inputs_name_the_tensor(kernels):
             torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
             out,
         )
-    key_cache, value_cache, block_table = make_paged_kv([5, 9], None, 16, 2, 16, torch.float32, "flash", g)
+    key_cache, value_cache, block_table = paged_kv_cache([5, 9], None, 16, 2, 16, torch.float32, "flash", g)
     query = torch.randn(2, 4, 16, generator=g).to(DEVICE)
     with pytest.raises(ValueError, match="value_cache"):
         kernels.hybrid_decode(
@@ -440,7 +440,7 @@ def test_empty_batch_launches_nothing(kernels):
     g = torch.Generator().manual_seed(2)
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(0, 16, 4, 3, torch.float32, torch.float32, g)
     state_before = ssm_state.clone()
-    key_cache, value_cache, block_table = make_paged_kv([5], 4, 16, 2, 16, torch.float32, "flash", g)
+    key_cache, value_cache, block_table = paged_kv_cache([5], 4, 16, 2, 16, torch.float32, "flash", g)
     query = torch.empty(0, 4, 16, device=DEVICE)
     no_ints = torch.empty(0, dtype=torch.int32, device=DEVICE)
     attn_out, ssm_out = kernels.hybrid_decode(

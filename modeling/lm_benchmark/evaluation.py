@@ -1,0 +1,220 @@
+"""Evaluation on the held-out files: the loss by position and in buckets of the window W, the same loss with the
+context cut to the last 2W tokens, passkey probes at distances W/2 .. 16W, and how long the SSM branch remembers."""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..modeling_hybrid import HybridForCausalLM
+from .models import Shape
+from .tokens import TokenizedCorpus
+
+PASSKEY_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def autocast():
+    return (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if torch.cuda.is_available()
+        else torch.autocast("cpu", enabled=False)
+    )
+
+
+@torch.no_grad()
+def loss_by_position(model, sequences: torch.Tensor, batch_size: int) -> np.ndarray:
+    """Mean next-token loss at each position of `sequences` [S, T]: entry t is the loss of predicting token t+1 from
+    tokens 0..t, averaged over the S sequences. Returns [T-1]."""
+    device = next(model.parameters()).device
+    total = torch.zeros(sequences.shape[1] - 1, dtype=torch.float64)
+    for start in range(0, len(sequences), batch_size):
+        ids = sequences[start : start + batch_size].to(device)
+        with autocast():
+            logits = model(input_ids=ids).logits[:, :-1]
+        losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+        total += losses.sum(0).double().cpu()
+    return (total / len(sequences)).numpy()
+
+
+@torch.no_grad()
+def loss_with_short_context(model, sequences: torch.Tensor, window: int, batch_size: int) -> np.ndarray:
+    """Like `loss_by_position`, but the prediction from position t (kW <= t < (k+1)W, k >= 2) sees only tokens
+    (k-1)W..t: between W and 2W tokens, a whole attention window, and nothing older than 2W. Against the whole-file
+    loss this shows how much a model draws from context older than 2W. Entries t < 2W are NaN. Returns [T-1]."""
+    length = sequences.shape[1]
+    losses = np.full(length - 1, np.nan)
+    for first in range(2 * window, length - 1, window):  # first = kW
+        chunk = sequences[:, first - window : min(length, first + window + 1)]
+        chunk_losses = loss_by_position(model, chunk, batch_size)  # entry j: position first - W + j
+        last = min(first + window, length - 1)
+        losses[first:last] = chunk_losses[window : window + last - first]
+    return losses
+
+
+def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
+    edges = [0, window, 4 * window, 16 * window]
+    buckets = {}
+    for low, high in itertools.pairwise(edges):
+        if low < context - 1:
+            name = f"[{_in_windows(low, window)},{_in_windows(high, window)})"
+            buckets[name] = (low, min(high, context - 1))
+    return buckets
+
+
+def context_gain(losses: np.ndarray, short_context_losses: np.ndarray, shape: Shape) -> dict:
+    """Per bucket beyond 2W: the loss with the whole file before each position, with at most 2W tokens of it, and
+    their difference (what the context older than 2W is worth)."""
+    gains = {}
+    for name, (low, high) in position_buckets(shape.window, shape.context).items():
+        low = max(low, 2 * shape.window)
+        if low < high:
+            whole, short = float(losses[low:high].mean()), float(short_context_losses[low:high].mean())
+            gains[f"[{_in_windows(low, shape.window)},{name.split(',')[1]}"] = {
+                "whole_file": round(whole, 4),
+                "last_2W": round(short, 4),
+                "gain": round(short - whole, 4),
+            }
+    return gains
+
+
+def _in_windows(position: int, window: int) -> str:
+    return "0" if position == 0 else ("W" if position == window else f"{position // window}W")
+
+
+def binned_curve(losses: np.ndarray, num_bins: int = 40) -> list[tuple[float, float]]:
+    """(geometric centre, mean loss) of log-spaced position bins, for the plot."""
+    edges = np.unique(np.geomspace(1, losses.size + 1, num_bins).astype(int))
+    return [
+        (float(math.sqrt(low * high)), float(losses[low - 1 : high - 1].mean()))
+        for low, high in itertools.pairwise(edges)
+    ]
+
+
+def evaluation_sequences(validation: list[np.ndarray], context: int, limit: int, eos_token_id: int) -> torch.Tensor:
+    """EOS, then the first `context - 1` tokens of each held-out file that has that many (at most `limit` files): a
+    file as it starts in the training stream, where every file follows an EOS. [S, context]"""
+    long_files = [ids[: context - 1] for ids in validation if ids.size >= context - 1][:limit]
+    if not long_files:
+        raise SystemExit(f"error: no held-out file has {context - 1} tokens; lower the context or add files")
+    files = torch.from_numpy(np.stack(long_files).astype(np.int64))
+    return torch.cat([torch.full((len(files), 1), eos_token_id), files], dim=1)
+
+
+@dataclass
+class PasskeyProbe:
+    input_ids: list[int]  # assignment line, `distance` tokens of filler, question, the answer but its last token
+    answer: list[int]
+
+
+def passkey_probes(
+    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+) -> list[PasskeyProbe]:
+    """`count` probes: `passkey = "<5 random characters>"`, then `distance` tokens of held-out code (cut from the
+    held-out files joined by blank lines, starting after a newline), then `assert passkey == "`."""
+    generator = np.random.default_rng(seed + distance)
+    newline = tokenizer.encode("\n\n", add_special_tokens=False)
+    stream = np.concatenate([part for ids in validation for part in (ids, np.asarray(newline, dtype=np.uint16))])
+    line_starts = np.flatnonzero(np.isin(stream, tokenizer.encode("\n", add_special_tokens=False)))[:-1] + 1
+    question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
+    line_starts = line_starts[line_starts + distance <= stream.size]
+    if line_starts.size == 0:
+        raise SystemExit(f"error: the held-out files hold too few tokens for a passkey probe at distance {distance}")
+    probes = []
+    for start in generator.choice(line_starts, size=count):
+        value = "".join(generator.choice(list(PASSKEY_ALPHABET), size=5))
+        answer = tokenizer.encode(value, add_special_tokens=False)
+        assignment = (
+            tokenizer.encode('passkey = "', add_special_tokens=False)
+            + answer
+            + tokenizer.encode('"\n', add_special_tokens=False)
+        )
+        filler = stream[start : start + distance].tolist()
+        probes.append(PasskeyProbe(assignment + filler + question + answer[:-1], answer))
+    return probes
+
+
+@torch.no_grad()
+def passkey_accuracy(model, probes: list[PasskeyProbe], batch_size: int) -> float:
+    """Fraction of probes whose answer is the greedy continuation of the question (every answer token the argmax)."""
+    device = next(model.parameters()).device
+    correct = 0
+    for start in range(0, len(probes), batch_size):
+        batch = probes[start : start + batch_size]
+        length = max(len(p.input_ids) for p in batch)
+        # Left padding with a mask: the answers line up at the end of every row.
+        ids = torch.full((len(batch), length), model.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, probe in enumerate(batch):
+            ids[row, length - len(probe.input_ids) :] = torch.tensor(probe.input_ids)
+            mask[row, length - len(probe.input_ids) :] = 1
+        with autocast():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        for row, probe in enumerate(batch):
+            predicted = logits[row, length - len(probe.answer) :].argmax(-1).tolist()
+            correct += predicted == probe.answer
+    return correct / len(probes)
+
+
+@torch.no_grad()
+def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] | None:
+    """Per layer, how long the history branch remembers on held-out text: for each channel the median over tokens of
+    the e-folding time `1 / (dt * min_n |A_n|)` of its slowest state (in tokens), summarised over the channels."""
+    layers = [layer.self_attn.ssm for layer in model.model.layers] if isinstance(model, HybridForCausalLM) else []
+    if not layers or layers[0] is None:
+        return None
+    captured = {}
+    hooks = [
+        ssm.dt_proj.register_forward_hook(lambda _m, _i, out, i=i: captured.__setitem__(i, F.softplus(out.float())))
+        for i, ssm in enumerate(layers)
+    ]
+    try:
+        with autocast():
+            model(input_ids=sequences.to(next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stats = []
+    for i, ssm in enumerate(layers):
+        slowest_rate = torch.exp(ssm.A_log.float()).min(-1).values  # [E]: min_n |A_n|
+        memory = (1.0 / (captured[i] * slowest_rate)).flatten(0, 1).median(0).values  # [E], tokens
+        stats.append(
+            {
+                "memory_tokens_p10_p50_p90": [
+                    round(float(q), 1) for q in memory.quantile(torch.tensor([0.1, 0.5, 0.9], device=memory.device))
+                ],
+                "channels_beyond_window": round(float((memory > window).float().mean()), 3),
+                "out_proj_norm": round(float(ssm.out_proj.weight.float().norm()), 3),
+            }
+        )
+    return stats
+
+
+def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
+    model.eval()
+    # Evaluation shapes vary (probe lengths): SDPA computes the same attention without a compilation per shape.
+    model.set_attn_implementation("sdpa")
+    sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences, data.tokenizer.eos_token_id)
+    losses = loss_by_position(model, sequences, args.eval_batch_size)
+    result = {
+        "evaluation_sequences": len(sequences),
+        "mean_loss": round(float(losses.mean()), 4),
+        "loss_by_bucket": {
+            name: round(float(losses[low:high].mean()), 4)
+            for name, (low, high) in position_buckets(shape.window, shape.context).items()
+        },
+        "loss_curve": binned_curve(losses),
+        "context_beyond_2W": context_gain(
+            losses, loss_with_short_context(model, sequences, shape.window, args.eval_batch_size), shape
+        ),
+        "passkey": {},
+    }
+    for multiple in (0.5, 2, 4, 8, 16):
+        distance = int(multiple * shape.window)
+        probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, args.seed)
+        key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
+        result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
+    result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
+    return result

@@ -1,0 +1,121 @@
+"""The models compared, of the same shapes: the hybrid, `swa` (the hybrid without its SSM branch), `full` (Llama),
+and those made from a trained `full` (upcycled, then distilled)."""
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from configuration import HybridConfig
+
+from ..checkpoint_io import load_tensors
+from ..modeling_hybrid import HybridForCausalLM
+from ..training import is_ssm_parameter, prepare_trainable
+from ..upcycling import upcycle
+from .tokens import TokenizedCorpus
+
+MODELS = ("hybrid", "swa", "full", "upcycled", "distilled", "distilled-swa")
+FROM_TEACHER = ("upcycled", "distilled", "distilled-swa")  # built from a trained `full`
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The shapes shared by the three models, and the training sequence."""
+
+    vocab_size: int = 16384
+    hidden_size: int = 768
+    intermediate_size: int = 2048
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    num_key_value_heads: int = 4
+    head_dim: int = 64
+    window: int = 256  # W
+    context: int = 4096  # T: 16 W, so that [4W, 16W) is inside a training sequence
+    batch_size: int = 8
+
+
+SMOKE_SHAPE = Shape(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    window=16,
+    context=128,
+    batch_size=4,
+)
+
+
+def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int) -> torch.nn.Module:
+    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any."""
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=4 * shape.context,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if kind == "full":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = HybridForCausalLM(HybridConfig(**common, sliding_window=shape.window, use_ssm_branch=kind == "hybrid"))
+    model.set_attn_implementation(attn_implementation)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def teacher_dir(args) -> Path:
+    return args.teacher or args.output_dir / "full" / "checkpoint"
+
+
+@functools.cache
+def upcycled_checkpoint(teacher: Path, output_dir: Path, window: int) -> Path:
+    """The teacher upcycled with the window (`modeling.upcycling.upcycle`, fp32), once per run: `full`, which writes
+    the teacher, runs before every model made from it (`cli.parse_args` sees to that)."""
+    upcycled_dir = output_dir / "upcycled" / "checkpoint"
+    upcycle(teacher, upcycled_dir, sliding_window=window, dtype_name="float32", force=True)
+    return upcycled_dir
+
+
+def build_from_teacher(kind: str, shape: Shape, args) -> torch.nn.Module:
+    """The upcycled `full` checkpoint with its SSM branch (`upcycled`, `distilled`) or without (`distilled-swa`), on
+    the GPU if any."""
+    upcycled_dir = upcycled_checkpoint(teacher_dir(args), args.output_dir, shape.window)
+    if kind == "distilled-swa":  # the same tensors less the branch, strictly
+        model = HybridForCausalLM(HybridConfig.from_pretrained(upcycled_dir, use_ssm_branch=False))
+        tensors = load_tensors(upcycled_dir)
+        model.load_state_dict({name: t for name, t in tensors.items() if not is_ssm_parameter(name)})
+    else:
+        model = HybridForCausalLM.from_pretrained(upcycled_dir)
+    model.set_attn_implementation(args.attn)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
+def load_teacher(args) -> torch.nn.Module:
+    """The distillation teacher in bf16 on the GPU (fp32 on CPU), with SDPA: it only runs forward."""
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir(args), dtype=dtype, attn_implementation="sdpa")
+    return teacher.cuda() if torch.cuda.is_available() else teacher
+
+
+def model_to_train(kind: str, data: TokenizedCorpus, shape: Shape, args) -> tuple[torch.nn.Module, dict]:
+    """The model of `kind` before training, and what `train_model` needs beside it (the teacher, for distillation)."""
+    if kind not in FROM_TEACHER:
+        return build_model(kind, shape, data.tokenizer, args.attn, args.seed), {}
+    model = build_from_teacher(kind, shape, args)
+    if kind == "upcycled":
+        return model, {}
+    return prepare_trainable(model, args.distill_mode), {"teacher": load_teacher(args)}

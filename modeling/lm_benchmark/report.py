@@ -1,0 +1,117 @@
+"""The report of saved results: the tables (loss by bucket, passkey, the gain from context older than 2W, the
+share of the upcycled -> teacher gap that distillation closes) and the loss-by-position plot."""
+
+from pathlib import Path
+
+import numpy as np
+
+
+def label(result: dict) -> str:
+    """The model's name in tables and plots; a distillation that does not train everything says what it trained."""
+    mode = result.get("distillation", {}).get("mode", "all")
+    return result["model"] + (f" ({mode})" if mode != "all" else "")
+
+
+def print_table(results: list[dict]) -> None:
+    buckets = list(results[0]["eval"]["loss_by_bucket"])
+    passkeys = list(results[0]["eval"]["passkey"])
+    header = [
+        "model",
+        "params",
+        "tokens",
+        "tok/s",
+        "mean loss",
+        *(f"loss {b}" for b in buckets),
+        *(f"passkey {p}" for p in passkeys),
+    ]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in results:
+        ev = r["eval"]
+        tok_s = r["train"]["tokens_per_second"]
+        row = [
+            label(r),
+            _count(r["parameters"]),
+            _count(r["train"]["tokens"]),
+            f"{tok_s:,}" if tok_s else "-",
+            f"{ev['mean_loss']:.3f}",
+            *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets),
+            *(f"{ev['passkey'][p]:.2f}" for p in passkeys),
+        ]
+        print("| " + " | ".join(row) + " |")
+    with_gain = [r for r in results if "context_beyond_2W" in r["eval"]]
+    if with_gain:
+        print(
+            "\nloss with the whole file before each position / with at most its last 2W tokens (gain: the older part)"
+        )
+        buckets = list(with_gain[0]["eval"]["context_beyond_2W"])
+        print("| model | " + " | ".join(buckets) + " |")
+        print("|" + "---|" * (len(buckets) + 1))
+        for r in with_gain:
+            cells = [
+                f"{g['whole_file']:.4f} / {g['last_2W']:.4f} (gain {g['gain']:+.4f})"
+                for g in r["eval"]["context_beyond_2W"].values()
+            ]
+            print(f"| {label(r)} | " + " | ".join(cells) + " |")
+    print_gap_recovered(results)
+
+
+def print_gap_recovered(results: list[dict]) -> None:
+    """Per position bucket, the share of the gap between `upcycled` (its teacher's weights with the window) and its
+    teacher `full` that each distilled model closes: 0 is the upcycled model's loss, 1 the teacher's."""
+    by_model = {label(r): r["eval"]["loss_by_bucket"] for r in results}
+    students = [label(r) for r in results if r["model"] in ("distilled", "distilled-swa")]
+    if not ({"full", "upcycled"} <= set(by_model) and students):
+        return
+    teacher, start = by_model["full"], by_model["upcycled"]
+    print("\nshare of the gap upcycled -> full (teacher) that distillation closes, by position bucket")
+    print("| bucket | full | upcycled | " + " | ".join(students) + " |")
+    print("|" + "---|" * (3 + len(students)))
+    for bucket in teacher:
+        gap = start[bucket] - teacher[bucket]
+        cells = [
+            f"{by_model[m][bucket]:.3f}" + (f" ({(start[bucket] - by_model[m][bucket]) / gap:.0%})" if gap > 0 else "")
+            for m in students
+        ]
+        print(f"| {bucket} | {teacher[bucket]:.3f} | {start[bucket]:.3f} | " + " | ".join(cells) + " |")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    """Loss against position (log x, the window marked) and, below, each model's loss minus the first model's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, delta) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 2])
+    reference = results[0]
+    _, reference_loss = zip(*reference["eval"]["loss_curve"])
+    for r in results:
+        x, y = zip(*r["eval"]["loss_curve"])
+        ax.plot(x, y, label=f"{label(r)} ({_count(r['parameters'])})")
+        delta.plot(x, np.subtract(y, reference_loss))
+    window = reference["shape"]["window"]
+    # The first few positions (hardly any context) lie far above the rest: keep the scale for the rest.
+    settled = [
+        (x, y, y - y0) for r in results for (x, y), y0 in zip(r["eval"]["loss_curve"], reference_loss) if x >= 16
+    ]
+    _, losses, differences = zip(*settled)
+    ax.set_ylim(min(losses) - 0.1, max(losses) + 0.3)
+    delta.set_ylim(min(differences) - 0.05, max(differences) + 0.05)
+    for axis in (ax, delta):
+        axis.axvline(window, color="grey", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
+    ax.text(window, ax.get_ylim()[1], " window W", va="top", color="grey")
+    ax.set_xscale("log")
+    ax.set_ylabel("next-token loss (nats)")
+    delta.set_ylabel(f"minus {label(reference)}'s")
+    delta.set_xlabel("position in the evaluation sequence (tokens)")
+    corpus = reference["corpus"]
+    ax.set_title(f"Held-out Python sources ({corpus['validation_files']} files, list {corpus['list_sha256'][:10]})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)

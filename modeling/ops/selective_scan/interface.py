@@ -1,0 +1,345 @@
+"""The Mamba-1 selective scan's public functions (references with the same signatures in reference.py): argument
+checks, launch policy and autograd around the launchers of forward.py and backward.py.
+
+    selective_scan_fn           training: [B, T, E], autograd (gradients for every input, the final state's too);
+                                rows may pack several sequences (`seq_idx`, padding-free training)
+    selective_scan_varlen_fwd   serving prefills: packed [T, E] sequences continuing from / updating the state cache
+
+Both take the step as mamba_ssm does: `dt_bias` (None) and `dt_softplus` (False) keywords, the step being
+softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given). The model's training path passes the step itself;
+serving passes the raw dt_proj output with dt_bias and dt_softplus=True.
+"""
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from ..triton_utils import check_flags, check_index, check_tokens
+from .backward import launch_selective_scan_bwd
+from .forward import launch_selective_scan_fwd
+
+
+class ScanBlocks(NamedTuple):
+    """Launch shape, exposed so benchmarks can sweep it. block_e: channels per program; chunk: steps per time chunk
+    (a power of two; chunk >= the longest sequence runs one chunk per sequence: forward stage 1 alone, no combine);
+    seg: steps per backward recompute segment (divides chunk); unroll: unroll factor of the per-step loops (on top
+    of the one-step load prefetch); num_warps / bwd_num_warps: warps per forward / backward program; bwd_block_e:
+    channels per backward program; save_seg_states: the training forward saves the state entering every seg-th
+    step (fp32 [B, cdiv(T, seg), E, N]: N / seg fp32 values per token and channel kept for the backward), which
+    spares the backward a recompute pass."""
+
+    block_e: int
+    chunk: int
+    seg: int
+    unroll: int
+    num_warps: int
+    bwd_num_warps: int
+    bwd_block_e: int
+    save_seg_states: bool
+
+
+def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
+    """Defaults from the shapes, any keyword given (not None) taking precedence.
+
+    From the H200 sweeps (`bench_kernels.py --only scan_sweep`, BENCHMARKS.md): 32 channels per program and ONE warp,
+    forward and backward (a [32, 16] fp32 state block, 16 values per thread). With one warp the block's reductions
+    are shuffles, not shared-memory round trips, and many small programs per SM hide each other's load latency.
+    Larger N keeps 16 values per thread with more warps. Chunks only as short as needed for ~4096 programs (~30 per
+    H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element)."""
+    block_n = triton.next_power_of_2(state_size)
+    block_e = overrides.get("block_e") or (32 if block_n <= 16 else 16)
+    programs = num_seqs * triton.cdiv(num_channels, block_e)
+    chunk = overrides.get("chunk") or max(64, triton.next_power_of_2(triton.cdiv(max_seq_len * programs, 4096)))
+    bwd_block_e = overrides.get("bwd_block_e") or block_e
+    blocks = ScanBlocks(
+        block_e=block_e,
+        chunk=chunk,
+        seg=min(overrides.get("seg") or 16, chunk),
+        unroll=overrides.get("unroll") or 1,
+        num_warps=overrides.get("num_warps") or max(1, min(8, block_e * block_n // 512)),
+        bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, bwd_block_e * block_n // 512)),
+        bwd_block_e=bwd_block_e,
+        save_seg_states=overrides.get("save_seg_states", True),
+    )
+    if blocks.chunk % blocks.seg or any(triton.next_power_of_2(x) != x for x in (chunk, block_e, bwd_block_e)):
+        raise ValueError(f"{blocks}: chunk, block_e and bwd_block_e must be powers of two and seg must divide chunk")
+    return blocks
+
+
+def _check_inputs(u, dt, A, B, C, D, z, dt_bias, rows: tuple[int, ...]):
+    """The op's own tensors over token rows `rows` ([B, T] or [T]); returns (B, C) sharing their strides, as the
+    kernels read them (the halves of x_proj's output already do; otherwise both are made contiguous)."""
+    num_channels, state_size = u.shape[-1], A.shape[-1]
+    for name, x in (("u", u), ("dt", dt), ("z", z)):
+        check_tokens(name, x, (*rows, num_channels))
+    for name, x in (("B", B), ("C", C)):
+        check_tokens(name, x, (*rows, state_size))
+    for name, x, shape in (
+        ("A", A, (num_channels, state_size)),
+        ("D", D, (num_channels,)),
+        ("dt_bias", dt_bias, (num_channels,)),
+    ):
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    if B.stride() != C.stride():
+        B, C = B.contiguous(), C.contiguous()
+    return B, C
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training: [B, T, E], autograd
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class SelectiveScanFunction(torch.autograd.Function):
+    """Training scan; the final state's gradient flows too (it seeds the adjoint at the right edge)."""
+
+    @staticmethod
+    def forward(ctx, u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks):
+        batch_size, seq_len, num_channels = u.shape
+        state_size = A.shape[-1]
+        y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
+        final_state = u.new_empty(batch_size, num_channels, state_size, dtype=torch.float32)
+        seg_states = None
+        if blocks.save_seg_states:
+            num_segs = triton.cdiv(seq_len, blocks.seg)
+            seg_states = u.new_empty(batch_size, num_segs, num_channels, state_size, dtype=torch.float32)
+        chunk_h, chunk_dtsum = launch_selective_scan_fwd(
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            y,
+            initial_state,
+            final_state,
+            blocks=blocks,
+            max_seq_len=seq_len,
+            dt_bias=dt_bias,
+            dt_softplus=dt_softplus,
+            seg_states=seg_states,
+            seq_idx=seq_idx,
+        )
+        ctx.save_for_backward(
+            u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx, dt_bias
+        )  # fmt: skip
+        ctx.dt_softplus, ctx.blocks = dt_softplus, blocks
+        return y, final_state
+
+    @staticmethod
+    def backward(ctx, dy, d_final_state):
+        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx, dt_bias = ctx.saved_tensors
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        if d_final_state is not None:
+            d_final_state = d_final_state.float().contiguous()
+        *grads, d_initial, d_dt_bias = launch_selective_scan_bwd(
+            u,
+            dt,
+            A,
+            B,
+            C,
+            D,
+            z,
+            dy,
+            initial_state,
+            d_final_state,
+            chunk_h,
+            chunk_dtsum,
+            seg_states,
+            blocks=ctx.blocks,
+            dt_bias=dt_bias,
+            dt_softplus=ctx.dt_softplus,
+            seq_idx=seq_idx,
+        )
+        # no gradient for seq_idx, the softplus flag and the launch shape
+        return *grads, d_initial, None, d_dt_bias, None, None
+
+
+def selective_scan_fn(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    block_e: int | None = None,
+    chunk: int | None = None,
+    seg: int | None = None,
+    unroll: int | None = None,
+    num_warps: int | None = None,
+    bwd_num_warps: int | None = None,
+    bwd_block_e: int | None = None,
+    save_seg_states: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable Triton selective scan with the contract of `selective_scan_ref`.
+
+    Args:
+        u, dt, z: [B, T, E], any float dtypes (may differ); strided views with a contiguous last dimension (the
+            halves of one [B, T, 2E] tensor) are read in place.
+        A: [E, N] (fp32). B, C: [B, T, N] (read in place when they share their strides, as the halves of x_proj's
+            output do; else copied). D: [E].
+        initial_state: [B, E, N] or None (zeros); with seq_idx, the state before the row's first sequence.
+        seq_idx: [B, T] contiguous int32 or int64 index of the sequence of every token, for rows that pack several
+            sequences (padding-free training, mamba_ssm's convention): where it changes between two consecutive
+            tokens the state restarts from zero, forward and backward; the final state is that of the row's last
+            sequence. None: one sequence per row. Not differentiable.
+        dt_bias: [E] or None, added to dt; dt_softplus: the step is softplus(dt (+ dt_bias)), else dt (+ dt_bias).
+            Both in fp32 in the kernels, forward and backward (dt_bias gets its gradient).
+        block_e, chunk, seg, unroll, num_warps, bwd_num_warps, bwd_block_e: launch shape (`ScanBlocks`); None picks
+            it from the shapes.
+        save_seg_states: keep every seg-th state from the forward for the backward (`ScanBlocks`): faster backward,
+            fp32 [B, cdiv(T, seg), E, N] more saved activations; False recomputes them in the backward.
+
+    Returns:
+        y [B, T, E] in u's dtype and the final state [B, E, N] fp32. Gradients flow to every input (dA, dD, d_dt_bias
+        and d_initial_state in fp32 sums) and from both outputs.
+    """
+    batch_size, seq_len, num_channels = u.shape
+    state_size = A.shape[-1]
+    B, C = _check_inputs(u, dt, A, B, C, D, z, dt_bias, (batch_size, seq_len))
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (batch_size, num_channels, state_size):
+            raise ValueError(
+                f"initial_state: expected {(batch_size, num_channels, state_size)}, got {tuple(initial_state.shape)}"
+            )
+        initial_state = initial_state.float().contiguous()
+    if seq_idx is not None:
+        check_index("seq_idx", seq_idx, (batch_size, seq_len), like=u)
+    blocks = _pick_blocks(
+        batch_size,
+        seq_len,
+        num_channels,
+        state_size,
+        block_e=block_e,
+        chunk=chunk,
+        seg=seg,
+        unroll=unroll,
+        num_warps=num_warps,
+        bwd_num_warps=bwd_num_warps,
+        bwd_block_e=bwd_block_e,
+        # Without a backward to come (inference, no_grad) the checkpoints would be written for nothing.
+        save_seg_states=save_seg_states
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (u, dt, A, B, C, D, z, initial_state, dt_bias)),
+    )
+    if seq_len == 0:  # nothing to scan; keeps the kernels free of empty-grid corner cases
+        final_state = (
+            initial_state
+            if initial_state is not None
+            else u.new_zeros(batch_size, num_channels, state_size, dtype=torch.float32)
+        )
+        return torch.empty_like(u), final_state
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    return SelectiveScanFunction.apply(
+        u, dt, A.contiguous(), B, C, D.contiguous(), z, initial_state, seq_idx, dt_bias, dt_softplus, blocks
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serving: packed prefills against the ssm-state cache [slots, E, N] (any strides)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def selective_scan_varlen_fwd(
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    ssm_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    max_seq_len: int | None = None,
+    block_e: int | None = None,
+    chunk: int | None = None,
+    unroll: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Serving prefill over packed sequences with a state cache; reference `selective_scan_varlen_ref`, same
+    signature plus keyword-only launch arguments. Not differentiable.
+
+    Args:
+        u, z: [T, E] (strided views with a contiguous last dimension are read in place).
+        dt: [T, E] step sizes as in `selective_scan_fn`; serving passes the raw dt_proj output with its bias as
+            dt_bias and dt_softplus=True (vLLM's delta_bias + delta_softplus), fused in the kernel in fp32.
+        A: [E, N] (fp32); B, C: [T, N]; D: [E].
+        ssm_state: [slots, E, N] cache (fp32, bf16 or fp16; any strides, e.g. a view of a bigger cache), updated in
+            place with each sequence's final state in its dtype; other slots are not touched.
+        cu_seqlens: [S + 1] int32 or int64 token offsets of the sequences.
+        state_indices: [S] int32 or int64 slot per sequence; -1 = padding: its tokens get zeros in `out`, no slot
+            touched.
+        has_initial_state: [S] bool; False starts from zero whatever the slot holds; None: all False.
+            One difference from the reference: an EMPTY sequence leaves its slot as it is (the reference writes
+            zeros there when it has no initial state); vLLM never schedules an empty prefill.
+        out: [T, E] written with y * silu(z) (contiguous last dimension); None: a new tensor in u's dtype.
+        dt_bias: [E] or None; dt_softplus: as in `selective_scan_fn`.
+        max_seq_len: the longest sequence; computed from cu_seqlens (a host sync) when None.
+        block_e, chunk, unroll, num_warps: launch shape (`ScanBlocks`); None picks it from the shapes.
+
+    Returns:
+        `out`.
+    """
+    total_tokens, num_channels = u.shape
+    state_size = A.shape[-1]
+    num_seqs = state_indices.shape[0]
+    if out is None:
+        out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
+    B, C = _check_inputs(u, dt, A, B, C, D, z, dt_bias, (total_tokens,))
+    check_tokens("out", out, (total_tokens, num_channels))
+    if ssm_state.dim() != 3 or tuple(ssm_state.shape[1:]) != (num_channels, state_size):
+        raise ValueError(f"ssm_state: expected [slots, {num_channels}, {state_size}], got {tuple(ssm_state.shape)}")
+    check_index("cu_seqlens", cu_seqlens, (num_seqs + 1,), like=u)
+    check_index("state_indices", state_indices, (num_seqs,), like=u)
+    if has_initial_state is not None:
+        check_flags("has_initial_state", has_initial_state, (num_seqs,))
+    if num_seqs == 0 or total_tokens == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    blocks = _pick_blocks(
+        num_seqs,
+        max_seq_len,
+        num_channels,
+        state_size,
+        block_e=block_e,
+        chunk=chunk,
+        unroll=unroll,
+        num_warps=num_warps,
+    )
+    launch_selective_scan_fwd(
+        u,
+        dt,
+        A.contiguous(),
+        B,
+        C,
+        D.contiguous(),
+        z,
+        out,
+        ssm_state if has_initial_state is not None else None,  # None: no slot is read
+        ssm_state,
+        blocks=blocks,
+        max_seq_len=max(max_seq_len, 1),
+        dt_bias=dt_bias.contiguous() if dt_bias is not None else None,
+        dt_softplus=dt_softplus,
+        cu_seqlens=cu_seqlens,
+        state_indices=state_indices,
+        has_initial_state=has_initial_state,
+    )
+    return out

@@ -1,0 +1,46 @@
+"""vLLM's paged KV cache, poisoned, for the tests of the kernels that read it (test_paged_attention.py,
+test_hybrid_decode.py): every slot that no query may see holds NaN, so a kernel that reads one fails."""
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NULL_BLOCK = 0  # vLLM points freed and unused table entries at a null block; here it is full of NaN
+
+
+def paged_kv_cache(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, layout, g, q_lens=None):
+    """Key and value caches [NB, P, KVH, D] and a block table [S, MB] int32, on DEVICE, for sequences of seq_lens
+    tokens whose last q_lens tokens are the queries (one each when None: a decode batch).
+
+    Physical blocks are handed out in a random order (block 0 is the null block). Blocks wholly before the window of
+    a sequence's first query are "freed": their table entries point at the null block. Every cache slot no query may
+    see (before that window, past the sequence, the null block, blocks nobody owns) holds NaN, and the table has a
+    spare column (entries past a sequence's end).
+    `layout`: "triton" = vLLM's Triton backend views `kv.transpose(1, 2).split(D, -1)` of one [NB, KVH, P, 2D]
+    tensor; "flash" = [2, NB, P, KVH, D].
+    """
+    q_lens = [1] * len(seq_lens) if q_lens is None else q_lens
+    blocks_per_seq = [-(-seq_len // page_size) for seq_len in seq_lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = 1 + sum(blocks_per_seq) + 3  # null block, the sequences' blocks, blocks nobody owns
+    # Views are taken on the device: moving a view would make it contiguous.
+    if layout == "triton":
+        kv = torch.randn(num_blocks, num_kv_heads, page_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
+    else:
+        kv = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
+        key_cache, value_cache = kv[0], kv[1]
+    visible = torch.zeros(num_blocks, page_size, dtype=torch.bool)
+    block_table = torch.full((len(seq_lens), max_blocks), NULL_BLOCK, dtype=torch.int32)
+    physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        first_key = 0 if window is None else max(0, seq_len - q_len - window + 1)
+        for j in range(blocks_per_seq[i]):
+            block = physical.pop()
+            if (j + 1) * page_size <= first_key:
+                continue  # freed: the table entry stays on the null block
+            block_table[i, j] = block
+            slots = torch.arange(page_size) + j * page_size
+            visible[block] = (slots >= first_key) & (slots < seq_len)
+    key_cache[~visible.to(DEVICE)] = float("nan")
+    value_cache[~visible.to(DEVICE)] = float("nan")
+    return key_cache, value_cache, block_table.to(DEVICE)

@@ -1,0 +1,226 @@
+"""`selective_state_update` and `hybrid_decode`: the launch policy, argument checks and launches of the decode kernels
+(kernel.py); same signatures as `selective_state_update_ref` and `hybrid_decode_ref` (reference.py).
+"""
+
+import functools
+import math
+
+import torch
+import triton
+
+from modeling.ops.triton_utils import check_flags, check_index, check_table, check_tokens, num_sms, window_or_unbounded
+
+from ..paged_attention.interface import check_paged_cache
+from .kernel import DecodeAttentionArgs, StateUpdateArgs, _hybrid_decode_kernel, _selective_state_update_kernel
+
+
+@functools.cache
+def _pick_ssm_block_e(num_channels: int, state_size: int) -> int:
+    """Channels per SSM program: a [BLOCK_E, N] fp32 state block of about 2048 values (16 per thread at 4 warps)."""
+    return min(triton.next_power_of_2(num_channels), max(1, 2048 // triton.next_power_of_2(state_size)))
+
+
+def _pick_attention_config(
+    num_requests: int, num_kv_heads: int, head_dim: int, max_keys: int, device: torch.device
+) -> dict:
+    """Launch defaults of `hybrid_decode`'s attention: key tiles [BLOCK_KEYS, D] of 16 KiB in bf16 at D = 128.
+    Split-K only when there are fewer than two (request, kv head) pairs per SM: then about four programs per SM, each
+    split keeping at least four tiles of the window (below that the merge costs more than the parallelism brings)."""
+    block_keys = 64 if head_dim >= 128 else 128
+    pairs = max(1, num_requests * num_kv_heads)
+    sms = num_sms(device)
+    splits = 1
+    if pairs < 2 * sms:
+        splits = max(1, min(triton.cdiv(4 * sms, pairs), triton.cdiv(max_keys, block_keys) // 4))
+    return {"block_keys": block_keys, "num_splits": splits, "num_warps": 4, "num_stages": 2}
+
+
+def _state_update_args(
+    ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state
+) -> StateUpdateArgs:
+    """Checks the arguments of `selective_state_update` (see `selective_state_update_ref`) and groups them, with their
+    strides and sizes, as the kernels take them."""
+    if u.dim() != 2:
+        raise ValueError(f"u: expected [requests, channels], got {tuple(u.shape)}")
+    num_requests, num_channels = u.shape
+    state_size = A.shape[-1]
+    for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out)):
+        check_tokens(name, x, (num_requests, num_channels))
+    for name, x in (("B", B), ("C", C)):
+        check_tokens(name, x, (num_requests, state_size))
+    if not (A.shape == (num_channels, state_size) and A.dtype == torch.float32 and A.is_contiguous()):
+        raise ValueError(f"A: expected a contiguous fp32 {(num_channels, state_size)}, got {A.dtype} {tuple(A.shape)}")
+    for name, x in (("D", D), ("dt_bias", dt_bias)):
+        if not (x.shape == (num_channels,) and x.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous ({num_channels},), got {tuple(x.shape)}")
+    if not (ssm_state.dim() == 3 and ssm_state.shape[1:] == (num_channels, state_size)):
+        raise ValueError(f"ssm_state: expected [slots, {num_channels}, {state_size}], got {tuple(ssm_state.shape)}")
+    if ssm_state.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"ssm_state: expected fp32, bf16 or fp16, got {ssm_state.dtype}")
+    check_index("state_indices", state_indices, (num_requests,), like=u)
+    if has_initial_state is not None:
+        check_flags("has_initial_state", has_initial_state, (num_requests,))
+    return StateUpdateArgs(
+        *(ssm_state, *ssm_state.stride()),
+        state_indices,
+        state_indices if has_initial_state is None else has_initial_state,
+        *(u, dt, z, B, C, out),
+        *(u.stride(0), dt.stride(0), z.stride(0), B.stride(0), C.stride(0), out.stride(0)),
+        *(A, D, dt_bias),
+        *(num_channels, state_size),
+    )
+
+
+def selective_state_update(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
+    block_e: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """One selective-scan step per decoding request, state updated in its slot; same contract as
+    `selective_state_update_ref`: ssm_state [slots, E, N] (fp32/bf16/fp16, any strides); u, dt, z [B, E] and B, C
+    [B, N] (row-strided views allowed); A [E, N] fp32; D, dt_bias [E]; state_indices [B] int32/int64 (-1 = padding:
+    no state touched, zeros written); out [B, E]; has_initial_state [B] bool or None (False: start from a zero
+    state). `dt` is the raw dt_proj output, softplus(dt + dt_bias) is taken here. One launch, no host sync:
+    CUDA-graph safe. Returns `out`."""
+    ssm = _state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state)
+    block_e = block_e or _pick_ssm_block_e(ssm.E, ssm.N)
+    if u.shape[0] == 0:  # an empty grid is not a valid launch
+        return out
+    _selective_state_update_kernel[(u.shape[0], triton.cdiv(ssm.E, block_e))](
+        ssm,
+        BLOCK_E=block_e,
+        BLOCK_N=triton.next_power_of_2(ssm.N),
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
+        num_warps=num_warps,
+    )
+    return out
+
+
+def hybrid_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    attn_out: torch.Tensor,
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    ssm_out: torch.Tensor,
+    *,
+    block_keys: int | None = None,
+    num_splits: int | None = None,
+    block_e: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    counters: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode step of a hybrid layer in one launch: window attention over the paged KV cache and the SSM state
+    update. Same contract as `hybrid_decode_ref`:
+
+        query [B, H, D] (RoPE applied; head stride free, head dim contiguous); key_cache, value_cache [NB, P, KVH, D]
+        with any strides (e.g. vLLM's Triton layout `kv_cache.transpose(1, 2).split(D, dim=-1)`); block_table
+        [B, MB] int32/int64 (rows contiguous); seq_lens [B] int32/int64 (0 = padding row: zeros written); scale;
+        window W or None; attn_out [B, H, D] (head dim contiguous); the SSM arguments as in `selective_state_update`.
+
+    Tuning (defaults from `_pick_attention_config` / `_pick_ssm_block_e`): block_keys keys per tile, num_splits
+    programs per (request, kv head), block_e channels per SSM program, num_warps, num_stages. `counters`: an int32
+    buffer of at least B * KVH zeros, left zeroed by the kernel; pass a persistent one to avoid zeroing a fresh one
+    (a memset launch) on every call when num_splits > 1. The grid depends only on shapes and host ints: CUDA-graph
+    safe. Returns (attn_out, ssm_out)."""
+    num_requests, num_heads, head_dim = query.shape
+    check_tokens("query", query, (num_requests, num_heads, head_dim))
+    check_paged_cache(key_cache, value_cache, query)
+    check_tokens("attn_out", attn_out, tuple(query.shape))
+    check_table("block_table", block_table, num_requests, like=query)
+    check_index("seq_lens", seq_lens, (num_requests,), like=query)
+    window = window_or_unbounded(window)
+    if u.dim() != 2 or u.shape[0] != num_requests:
+        raise ValueError(f"u: expected {num_requests} rows (one per decoding request), got {tuple(u.shape)}")
+    ssm = _state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
+
+    num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
+    max_keys = block_table.shape[1] * page_size
+    config = _pick_attention_config(num_requests, num_kv_heads, head_dim, min(window, max_keys), query.device)
+    block_keys = block_keys or config["block_keys"]
+    splits = num_splits or config["num_splits"]
+    block_e = block_e or _pick_ssm_block_e(ssm.E, ssm.N)
+    group = num_heads // num_kv_heads
+    if not (block_keys >= 16 and block_keys & (block_keys - 1) == 0):
+        raise ValueError(f"block_keys: expected a power of two >= 16, got {block_keys}")
+    if num_requests == 0:  # an empty grid is not a valid launch
+        return attn_out, ssm_out
+
+    num_pairs = num_requests * num_kv_heads
+    if splits > 1:
+        part_o = query.new_empty(num_pairs * splits * group * head_dim, dtype=torch.float32)
+        part_ml = query.new_empty(num_pairs * splits * 2 * group, dtype=torch.float32)
+        if counters is None:
+            counters = torch.zeros(num_pairs, dtype=torch.int32, device=query.device)
+        if not (
+            counters.dtype == torch.int32
+            and counters.numel() >= num_pairs
+            and counters.is_contiguous()
+            and counters.device == query.device
+        ):
+            raise ValueError(
+                f"counters: expected a contiguous int32 buffer of at least {num_pairs} zeros on {query.device}, got "
+                f"{counters.dtype} {tuple(counters.shape)} on {counters.device}"
+            )
+    else:  # never dereferenced: without split-K the programs write attn_out directly
+        part_o = part_ml = counters = attn_out
+    attn = DecodeAttentionArgs(
+        *(query, *query.stride()[:2]),
+        *(key_cache, *key_cache.stride()),
+        *(value_cache, *value_cache.stride()),
+        *(block_table, block_table.stride(0)),
+        seq_lens,
+        *(attn_out, *attn_out.stride()[:2]),
+        *(part_o, part_ml, counters),
+        scale * math.log2(math.e),  # softmax in base 2
+        window,
+        *(num_kv_heads, group),
+    )
+    num_attn_programs = num_pairs * splits
+    num_e_blocks = triton.cdiv(ssm.E, block_e)
+    _hybrid_decode_kernel[(num_attn_programs + num_requests * num_e_blocks,)](
+        attn,
+        ssm,
+        num_attn_programs,
+        num_e_blocks,
+        splits,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        SPLIT_K=splits > 1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_KEYS=block_keys,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_E=block_e,
+        BLOCK_N=triton.next_power_of_2(ssm.N),
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
+        num_warps=num_warps or config["num_warps"],
+        num_stages=num_stages or config["num_stages"],
+    )
+    return attn_out, ssm_out

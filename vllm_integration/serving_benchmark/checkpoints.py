@@ -1,0 +1,80 @@
+"""The models compared and their checkpoints: random weights, the same shapes, the hybrid converted for vLLM."""
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+MODELS = ("hybrid", "hybrid-v2", "swa", "llama")
+HYBRIDS = ("hybrid", "hybrid-v2")  # both serve the hybrid's checkpoint
+
+
+def hybrid_config(shape: dict, max_len: int):
+    from configuration import HybridConfig
+
+    return HybridConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=shape["num_hidden_layers"],
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        sliding_window=shape["window"],
+        layer_types=["sliding_attention"] * shape["num_hidden_layers"],
+        ssm_intermediate_size=shape["ssm_intermediate_size"],
+        ssm_state_size=shape["ssm_state_size"],
+        max_position_embeddings=max_len,
+    )
+
+
+def baseline_config(name: str, hybrid):
+    """The hybrid's shapes without the SSM branch: full attention (Llama), or every layer sliding (Mistral-style;
+    vLLM's Llama/Mistral code reads the window per layer from `layer_types`)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    common = {
+        key: getattr(hybrid, key)
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rms_norm_eps",
+            "rope_parameters",
+            "tie_word_embeddings",
+        )
+    }
+    if name == "llama":
+        return LlamaConfig(**common)
+    return MistralConfig(
+        **common, sliding_window=hybrid.sliding_window, layer_types=["sliding_attention"] * hybrid.num_hidden_layers
+    )
+
+
+def write_checkpoint(name: str, root: Path, shape: dict, max_len: int) -> Path:
+    """The model directory vLLM loads; built once per shape (random weights), reused after."""
+    from transformers import LlamaForCausalLM, MistralForCausalLM
+
+    from modeling import HybridForCausalLM
+    from vllm_integration.convert import convert_checkpoint
+
+    target = root / name
+    if (target / "config.json").exists():
+        if json.loads((target / "config.json").read_text())["max_position_embeddings"] >= max_len:
+            return target
+        shutil.rmtree(target)  # built for shorter sequences
+    torch.manual_seed(0)
+    hybrid = hybrid_config(shape, max_len)
+    dtype = getattr(torch, shape["dtype"])
+    if name == "hybrid":
+        HybridForCausalLM(hybrid).to(dtype).save_pretrained(root / "hybrid-hf")
+        convert_checkpoint(root / "hybrid-hf", target, shape["dtype"])
+    else:
+        model_class = LlamaForCausalLM if name == "llama" else MistralForCausalLM
+        model_class(baseline_config(name, hybrid)).to(dtype).save_pretrained(target)
+    return target

@@ -1,0 +1,91 @@
+"""The report of saved runs: the table (with each hybrid against each baseline, vLLM's settings, profiles and
+prefix caching) and the plot of throughput and bytes per sequence against prompt length."""
+
+import itertools
+
+from .checkpoints import HYBRIDS, MODELS
+
+LABELS = {
+    "hybrid": "hybrid (window + SSM)",
+    "hybrid-v2": "hybrid (window + SSM)",  # the plot adds each run's model runner
+    "swa": "sliding window only (Mistral-style)",
+    "llama": "full attention (Llama)",
+}
+
+
+def table(results: list[dict]) -> str:
+    points = [p for r in results for p in r["points"]]
+    by = {(p["model"], p["prompt_len"]): p for p in points}
+    lines = [
+        "| prompt | model | batch (capacity) | output tok/s | TPOT batch 1 (ms) | KV+state MiB/seq | prefill tok/s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for prompt_len in sorted({p["prompt_len"] for p in points}):
+        for model in MODELS:
+            if p := by.get((model, prompt_len)):
+                partial = "" if p["min_step_tokens"] == p["batch"] else f" (INVALID: {p['min_step_tokens']}/step)"
+                lines.append(
+                    f"| {prompt_len:,} | {model} | {p['batch']} ({p['capacity']:,}) | {p['decode_tok_s']:,.0f}"
+                    f"{partial} | {p['tpot_ms']:.2f} | {p['bytes_per_seq'] / 2**20:,.1f} | {p['prefill_tok_s']:,.0f} |"
+                )
+    ratios = []
+    for prompt_len in sorted({p["prompt_len"] for p in points}):
+        for name, base in itertools.product(HYBRIDS, ("llama", "swa")):
+            if (hybrid := by.get((name, prompt_len))) and (other := by.get((base, prompt_len))):
+                throughput = hybrid["decode_tok_s"] / other["decode_tok_s"]
+                ratios.append(
+                    f"L={prompt_len:,}: {name} / {base}: output tok/s {throughput:.2f}x,"
+                    f" TPOT at batch 1 {hybrid['tpot_ms'] / other['tpot_ms']:.2f}x"
+                )
+    for r in results:
+        if modes := r.get("cudagraph_modes"):
+            ratios.append("vLLM's CUDA-graph mode: " + ", ".join(f"{m} {mode}" for m, mode in modes.items()))
+        if runners := r.get("model_runners"):
+            ratios.append("vLLM's model runner: " + ", ".join(f"{m} {runner}" for m, runner in runners.items()))
+        for model, tables in r.get("profiles", {}).items():
+            ratios += [f"\n## profile: {model}, {what}\n{table}" for what, table in tables.items()]
+    # Runs before 988a194 kept the hybrid's prefix workload under "prefix".
+    prefix_runs = [r.get("prefix_caching") or ({"hybrid": r["prefix"]} if "prefix" in r else {}) for r in results]
+    for model, p in (item for runs in prefix_runs for item in runs.items()):
+        ratios.append(
+            f"prefix caching ({model}): {p['requests']} requests of {p['prefix_len']:,} shared + {p['suffix_len']} own"
+            f" tokens, {p['output_len']} out: hit rate {p['hit_rate']:.0%}, {p['speedup']:.2f}x faster than"
+            f" the same lengths with distinct prefixes ({p['unique_s']:.2f}s -> {p['shared_s']:.2f}s); tokens equal"
+            f" to a run from an empty cache: {p['same_tokens_as_without_cache']}"
+        )
+    return "\n".join(lines + [""] + ratios)
+
+
+def plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [p for r in results for p in r["points"]]
+    runners = {model: runner for r in results for model, runner in r.get("model_runners", {}).items()}
+    figure, (throughput, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    for model in MODELS:
+        mine = sorted((p for p in points if p["model"] == model), key=lambda p: p["prompt_len"])
+        if not mine:
+            continue
+        lengths = [p["prompt_len"] for p in mine]
+        label = LABELS[model] + (f" [{runners[model]} runner]" if model in runners else "")
+        throughput.plot(lengths, [p["decode_tok_s"] for p in mine], marker="o", label=label)
+        memory.plot(lengths, [p["bytes_per_seq"] / 2**20 for p in mine], marker="o", label=label)
+    for axes, ylabel in ((throughput, "output tokens/s (largest batch)"), (memory, "KV + state MiB per sequence")):
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+        axes.set_xlabel("prompt length (tokens)")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, which="both", alpha=0.3)
+    throughput.legend()
+    meta = results[0]
+    shape = meta["settings"]
+    figure.suptitle(
+        f"vLLM, hidden {shape['hidden_size']}, {shape['num_hidden_layers']} layers, window {shape['window']}, "
+        f"{shape['output_len']} output tokens: {meta['device']}, {meta['date']}, "
+        f"commit {', '.join(dict.fromkeys(r['commit'] for r in results))}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
