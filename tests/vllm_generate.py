@@ -6,7 +6,8 @@
 SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...], "max_tokens": n,
        "alone": bool (also generate each request in its own call; returned as "alone_outputs"),
        "state_dtypes": bool (also return the dtypes of the SSM state caches vLLM allocated, conv and ssm, per layer;
-                       needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0)}
+                       needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+       "adapters": [LoRA adapter dir or null, one per request] (optional: each request with its adapter, or none)}
 """
 
 import json
@@ -19,8 +20,17 @@ def run(spec: dict) -> dict:
     llm = LLM(model=spec["model"], disable_log_stats=False, **spec["llm"])
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True)
 
-    def generate(requests):
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False)
+    def generate(requests, adapters=None):
+        lora_requests = None
+        if adapters is not None:
+            from vllm.lora.request import LoRARequest
+
+            adapter_ids = {path: i + 1 for i, path in enumerate(dict.fromkeys(p for p in adapters if p))}
+            lora_requests = [
+                LoRARequest(f"adapter{adapter_ids[p]}", adapter_ids[p], p) if p else None for p in adapters
+            ]
+        prompts = [{"prompt_token_ids": ids} for ids in requests]
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         return [
             {
                 "token_ids": list(o.outputs[0].token_ids),
@@ -33,7 +43,7 @@ def run(spec: dict) -> dict:
             for o in outputs
         ]
 
-    result = {"outputs": generate(spec["requests"])}
+    result = {"outputs": generate(spec["requests"], spec.get("adapters"))}
     if spec.get("alone"):
         result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
     if spec.get("state_dtypes"):

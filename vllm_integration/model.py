@@ -26,7 +26,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsPP
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA, SupportsPP
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -42,7 +42,7 @@ from configuration import HybridConfig
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
 from .layout import SSM_RENAMES, STACKED_PROJECTIONS
 from .ssm import HybridSSMSpec, hybrid_state_dtypes, hybrid_state_shapes
-from .upstream_fixes import rewind_cpu_generators_of_discarded_samples
+from .upstream_fixes import rewind_cpu_generators_of_discarded_samples, skip_rows_without_adapter_in_cpu_lora_ops
 
 
 class HybridMLP(nn.Module):
@@ -195,8 +195,15 @@ class HybridModel(nn.Module):
         return hidden_states
 
 
-class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
-    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, SupportsPP):
+    # LoRA adapters name the Transformers projections; vLLM maps them onto the fused ones (and in_proj, one
+    # Transformers projection, onto the [xs | z] halves of its merged layer).
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj": ["in_proj"],
+    }
+    embedding_modules = {"embed_tokens": "input_embeddings", "lm_head": "output_embeddings"}
     hf_to_vllm_mapper = WeightsMapper(orig_to_new_substr=SSM_RENAMES, orig_to_new_stacked=STACKED_PROJECTIONS)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -213,6 +220,7 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsPP):
         if vllm_config.speculative_config is not None:
             raise ValueError("HybridForCausalLM does not support speculative decoding yet")
         rewind_cpu_generators_of_discarded_samples()
+        skip_rows_without_adapter_in_cpu_lora_ops()
         # Piecewise compilation must cut the graph at the hybrid op as at vLLM's own attention ops: it reads
         # per-batch metadata on the host (CUDA graphs cannot capture it).
         splitting_ops = vllm_config.compilation_config.splitting_ops

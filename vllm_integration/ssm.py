@@ -278,38 +278,41 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         xs, z = xz.chunk(2, dim=-1)  # [T, E] each
         decode, prefill = token_split(metadata)
         conv_state, ssm_state = self.state_views()
+        # 1. The causal conv (silu fused), each request continuing from its conv state slot: the decodes' one-token
+        #    update and the prefills' packed conv, written into one buffer in batch order.
+        u = xs.new_empty(prefill.stop, self.local_size)
         if metadata.num_decodes:
-            state_indices = metadata.state_indices_tensor_d[:, 0]
-            has_initial_state = metadata.has_initial_states_d  # False: a first token, from a zero state
-            # 1. The conv update from each request's conv state slot; 2. the input-dependent projections; 3. one
-            #    scan step from its ssm state slot.
-            u = kernels.conv_update(
-                xs[decode], self.conv1d_weight, self.conv1d_bias, conv_state, state_indices, "silu",
-                has_initial_state=has_initial_state,
-            )  # fmt: skip
-            dt, B, C = self.project(u)
-            kernels.state_update(
-                ssm_state, u, dt, self.A, B, C, self.D, z[decode], self.dt_proj.bias, state_indices, output[decode],
-                has_initial_state=has_initial_state,
+            kernels.conv_update(
+                xs[decode], self.conv1d_weight, self.conv1d_bias, conv_state, metadata.state_indices_tensor_d[:, 0],
+                "silu", u[decode], has_initial_state=metadata.has_initial_states_d,
             )  # fmt: skip
         if metadata.num_prefills:
-            # The same steps over the packed prefills, each sequence's final states written back to its slots.
-            state_indices = metadata.state_indices_tensor_p
-            u = kernels.conv_varlen(
+            kernels.conv_varlen(
                 xs[prefill], self.conv1d_weight, self.conv1d_bias, conv_state, metadata.query_start_loc_p,
-                state_indices, metadata.has_initial_states_p, "silu",
+                metadata.state_indices_tensor_p, metadata.has_initial_states_p, "silu", u[prefill],
             )  # fmt: skip
-            dt, B, C = self.project(u)
+        # 2. The input-dependent projections, once for the whole batch: rows in batch order are what vLLM's LoRA
+        #    layers index their adapters by.
+        dt, B, C = self.project(u)
+        # 3. The scan from each request's ssm state slot, its final state written back: one step per decode (a
+        #    first token, has_initial_states_d False, from a zero state), the packed prefills in one launch.
+        if metadata.num_decodes:
+            kernels.state_update(
+                ssm_state, u[decode], dt[decode], self.A, B[decode], C[decode], self.D, z[decode], self.dt_proj.bias,
+                metadata.state_indices_tensor_d[:, 0], output[decode], has_initial_state=metadata.has_initial_states_d,
+            )  # fmt: skip
+        if metadata.num_prefills:
             kernels.scan_varlen(
-                u, dt, self.A, B, C, self.D, z[prefill], ssm_state, metadata.query_start_loc_p, state_indices,
-                metadata.has_initial_states_p, out=output[prefill], dt_bias=self.dt_proj.bias, dt_softplus=True,
-                max_seq_len=max_prefill_len,
+                u[prefill], dt[prefill], self.A, B[prefill], C[prefill], self.D, z[prefill], ssm_state,
+                metadata.query_start_loc_p, metadata.state_indices_tensor_p, metadata.has_initial_states_p,
+                out=output[prefill], dt_bias=self.dt_proj.bias, dt_softplus=True, max_seq_len=max_prefill_len,
             )  # fmt: skip
 
     def project(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw dt [T, E] before bias and softplus, B [T, N], C [T, N]) from the conv output u [T, E]."""
         dt_low, B, C = self.x_proj(u)[0].split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        return self.dt_proj(dt_low)[0], B, C
+        # Contiguous for vLLM's LoRA kernels, which a dt_proj adapter runs.
+        return self.dt_proj(dt_low.contiguous())[0], B, C
 
     def get_state_shape(self):
         return hybrid_state_shapes(self.tp_size, self.intermediate_size, self.state_size, self.conv_kernel_size)

