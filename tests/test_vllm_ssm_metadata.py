@@ -6,54 +6,22 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.config import VllmConfig, set_current_vllm_config
-from vllm.v1.attention.backend import CommonAttentionMetadata
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.kv_cache_interface import MambaSpec
+from vllm_metadata import common_metadata, ssm_metadata_builder  # noqa: E402
 
-from vllm_integration.ssm import HybridSSMMetadataBuilder
+from vllm_integration.ssm import HybridSSMMetadataBuilder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def builders():
     """Two builders of one state spec, as vLLM makes for two SSM KV-cache groups."""
-    config = VllmConfig()
-    # Decode graphs of up to 8 rows, on every platform (vLLM's defaults differ: none on a GPU without a model config).
-    config.compilation_config.max_cudagraph_capture_size = 8
-    spec = MambaSpec(
-        block_size=16,
-        shapes=((24, 3), (24, 8)),
-        dtypes=(torch.float32, torch.float32),
-        mamba_type=MambaAttentionBackendEnum.MAMBA1,
-    )
-    with set_current_vllm_config(config):
-        return [HybridSSMMetadataBuilder(spec, [f"group{i}"], config, torch.device("cpu")) for i in range(2)]
-
-
-def batch(seq_lens, query_lens, is_prefilling, first_blocks):
-    """vLLM's common metadata for a batch (decodes first), the state block of each request in column 0."""
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    block_table = torch.tensor([[block, 9] for block in first_blocks], dtype=torch.int32)
-    return CommonAttentionMetadata(
-        query_start_loc=query_start_loc,
-        query_start_loc_cpu=query_start_loc.clone(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(seq_lens),
-        num_actual_tokens=sum(query_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=block_table,
-        slot_mapping=torch.arange(sum(query_lens)),
-        is_prefilling=torch.tensor(is_prefilling),
-        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
-    )
+    return [ssm_metadata_builder(HybridSSMMetadataBuilder, ((24, 3), (24, 8)), f"group{i}") for i in range(2)]
 
 
 def test_one_token_steps_are_all_decodes_first_tokens_flagged(builders):
     """Two continuing decodes, a one-token prompt (vLLM still calls it prefilling) and a CUDA-graph padding row
     (seq_len 0, the null block): all four are decode rows; only the continuing ones read their slot."""
     first, second = builders
-    common = batch([21, 1, 5, 0], [1, 1, 1, 0], [False, True, False, False], [1, 2, 3, 0])
+    common = common_metadata([21, 1, 5, 0], [1, 1, 1, 0], [False, True, False, False], [1, 2, 3, 0])
     metadata = first.build(0, common)
     assert (metadata.num_decodes, metadata.num_prefills) == (4, 0)
     assert metadata.state_indices_tensor_d[:, 0].tolist() == [1, 2, 3, 0]
@@ -61,7 +29,7 @@ def test_one_token_steps_are_all_decodes_first_tokens_flagged(builders):
     # A captured decode graph of this group reads the builder's persistent flag buffer ...
     assert metadata.has_initial_states_d.data_ptr() == first.has_initial_states_d.data_ptr()
     # ... and another group handed the same metadata gets its own slots and its own buffer, same flags.
-    other_blocks = torch.tensor([[4, 9], [5, 9], [6, 9], [0, 0]], dtype=torch.int32)
+    other_blocks = torch.tensor([[4], [5], [6], [0]], dtype=torch.int32)
     other = second.update_block_table(metadata, other_blocks, common.slot_mapping)
     assert other.state_indices_tensor_d[:, 0].tolist() == [4, 5, 6, 0]
     assert other.has_initial_states_d.tolist() == [True, False, True, False]
@@ -90,7 +58,7 @@ def test_mixed_batches_split_at_the_first_longer_query(builders, rows, expected)
     a new one-token prompt among them flagged to start from zero; from the first longer query on, Mamba-1's prefill
     rows (each starting from zero or continuing its slot: has_initial_states_p)."""
     flags_d, slots_d, flags_p, slots_p, query_start_loc_p = expected
-    metadata = builders[0].build(0, batch(*rows))
+    metadata = builders[0].build(0, common_metadata(*rows))
     assert (metadata.num_decodes, metadata.num_prefills) == (len(flags_d), len(flags_p))
     assert metadata.has_initial_states_d.tolist() == flags_d
     assert metadata.state_indices_tensor_d[:, 0].tolist() == slots_d
@@ -101,7 +69,7 @@ def test_mixed_batches_split_at_the_first_longer_query(builders, rows, expected)
 
 def test_a_batch_led_by_a_longer_query_has_no_decode_rows(builders):
     """vLLM orders decodes first, so a longer query at the head means no decodes: all prefills, no flags."""
-    metadata = builders[0].build(0, batch([30, 1], [30, 1], [True, True], [4, 2]))
+    metadata = builders[0].build(0, common_metadata([30, 1], [30, 1], [True, True], [4, 2]))
     assert (metadata.num_decodes, metadata.num_prefills) == (0, 2)
     assert metadata.has_initial_states_d is None
     assert metadata.has_initial_states_p.tolist() == [False, False]
@@ -110,9 +78,9 @@ def test_a_batch_led_by_a_longer_query_has_no_decode_rows(builders):
 def test_one_token_rows_without_a_longer_query_are_all_decodes(builders):
     """A batch whose recorded longest query exceeds its rows' (vLLM computes it exactly today): every row still
     counts as a one-token row, so the batch stays all decodes rather than falling back to Mamba-1's split."""
-    common = batch([21, 1, 5], [1, 1, 1], [False, True, False], [1, 2, 3])
+    common = common_metadata([21, 1, 5], [1, 1, 1], [False, True, False], [1, 2, 3])
     metadata = builders[0].build(0, common.replace(max_query_len=2))
     assert (metadata.num_decodes, metadata.num_prefills) == (3, 0)
     assert metadata.has_initial_states_d.tolist() == [True, False, True]
-    metadata = builders[0].build(0, batch([21, 30], [1, 30], [False, True], [1, 2]))
+    metadata = builders[0].build(0, common_metadata([21, 30], [1, 30], [False, True], [1, 2]))
     assert (metadata.num_decodes, metadata.num_prefills) == (1, 1)

@@ -80,53 +80,50 @@ def attention_metadata(q_lens, seq_lens, g):
     )
 
 
-def mixed_step(g):
+@pytest.fixture(scope="module")
+def state_builders():
+    """vLLM's state-metadata builders for the adapter's state shapes: the hybrid's (what the Triton path is served
+    with) and Mamba-1's (a different decode/prefill split, for the reference path)."""
+    from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionMetadataBuilder
+    from vllm_metadata import ssm_metadata_builder
+
+    from vllm_integration.ssm import HybridSSMMetadataBuilder
+
+    shapes = ((E, K - 1), (E, N))
+    return tuple(
+        ssm_metadata_builder(cls, shapes, device=DEVICE)
+        for cls in (HybridSSMMetadataBuilder, Mamba1AttentionMetadataBuilder)
+    )
+
+
+def step_metadata(builders, seq_lens, q_lens, slots, g):
+    """(attention metadata, the hybrid builder's SSM metadata, Mamba-1's SSM metadata, tokens) for a batch in which
+    request i has `seq_lens[i]` tokens, `q_lens[i]` of them new, and state slot `slots[i]`."""
+    from vllm_metadata import common_metadata
+
+    is_prefilling = [seq == q for seq, q in zip(seq_lens, q_lens)]  # nothing cached yet: a new prompt
+    common = common_metadata(seq_lens, q_lens, is_prefilling, slots, device=DEVICE)
+    from vllm_integration.ssm import HybridSSMMetadata
+
+    hybrid, mamba1 = (builder.build(0, common) for builder in builders)
+    # Mamba-1's decodes all continue from their slots: no first-token flags (None).
+    mamba1 = HybridSSMMetadata(**{field.name: getattr(mamba1, field.name) for field in dataclasses.fields(mamba1)})
+    return attention_metadata(q_lens, seq_lens, g), hybrid, mamba1, sum(q_lens)
+
+
+def mixed_step(builders, g):
     """In Model Runner V2's order (one-token rows first): decodes of slots 3 and 1 with a new one-token prompt into
     slot 5 between them, then a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill of 11
     tokens into slot 4. The Triton path gets HybridSSMMetadataBuilder's split (every one-token row a decode, the
     prompt flagged); the reference path Mamba-1's (the rows from the one-token prompt on are prefills), so the two
     paths also check that the splits compute the same."""
-    q_lens = [1, 1, 1, 7, 11]
-    attn_metadata = attention_metadata(q_lens, [21, 1, 5, 16, 11], g)
-    ssm_metadata = SimpleNamespace(
-        num_decodes=3,
-        num_decode_tokens=3,
-        num_prefills=2,
-        num_prefill_tokens=18,
-        state_indices_tensor_d=torch.tensor([[3], [5], [1]], dtype=torch.int32, device=DEVICE),
-        has_initial_states_d=torch.tensor([True, False, True], device=DEVICE),
-        state_indices_tensor_p=torch.tensor([6, 4], dtype=torch.int32, device=DEVICE),
-        query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
-        has_initial_states_p=torch.tensor([True, False], device=DEVICE),
-    )
-    mamba1_split = SimpleNamespace(
-        num_decodes=1,
-        num_decode_tokens=1,
-        num_prefills=4,
-        num_prefill_tokens=20,
-        state_indices_tensor_d=torch.tensor([[3]], dtype=torch.int32, device=DEVICE),
-        has_initial_states_d=None,
-        state_indices_tensor_p=torch.tensor([5, 1, 6, 4], dtype=torch.int32, device=DEVICE),
-        query_start_loc_p=torch.tensor([0, 1, 2, 9, 20], dtype=torch.int32, device=DEVICE),
-        has_initial_states_p=torch.tensor([False, True, True, False], device=DEVICE),
-    )
-    return attn_metadata, ssm_metadata, mamba1_split, sum(q_lens)
+    return step_metadata(builders, [21, 1, 5, 16, 11], [1, 1, 1, 7, 11], [3, 5, 1, 6, 4], g)
 
 
-def uniform_decode_step(g):
-    """Every request has one new token, so every row is a decode (what HybridSSMMetadataBuilder makes of such a
-    batch): slots 3 and 1 continue, slot 6 holds a one-token prompt (has_initial_states_d False: its stale slot must
-    not be read)."""
-    attn_metadata = attention_metadata([1, 1, 1], [21, 1, 5], g)
-    ssm_metadata = SimpleNamespace(
-        num_decodes=3,
-        num_decode_tokens=3,
-        num_prefills=0,
-        num_prefill_tokens=0,
-        state_indices_tensor_d=torch.tensor([[3], [6], [1]], dtype=torch.int32, device=DEVICE),
-        has_initial_states_d=torch.tensor([True, False, True], device=DEVICE),
-    )
-    return attn_metadata, ssm_metadata, ssm_metadata, 3
+def uniform_decode_step(builders, g):
+    """Every request has one new token, so every row is a decode: slots 3 and 1 continue, slot 6 holds a one-token
+    prompt (its stale slot must not be read). Mamba-1 makes the prompt and the rows after it prefills."""
+    return step_metadata(builders, [21, 1, 5], [1, 1, 1], [3, 6, 1], g)
 
 
 def serving_inputs(ssm_adapter, num_tokens, g):
@@ -146,7 +143,7 @@ def serving_inputs(ssm_adapter, num_tokens, g):
 
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
-def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch, step):
+def test_triton_serving_path_matches_the_reference_path(ssm_adapter, state_builders, monkeypatch, step):
     from vllm_integration import attention
     from vllm_integration.attention import HybridTritonAttentionImpl
     from vllm_integration.ops.hybrid_decode import interface as hybrid_decode_interface
@@ -173,7 +170,9 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
     monkeypatch.setattr(hybrid_decode_interface, "hybrid_decode", hybrid_decode)
 
     g = torch.Generator().manual_seed(1)
-    attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(g)
+    attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(state_builders, g)
+    # The builders split differently: every one-token row a decode here, Mamba-1's prefills from the new prompt on.
+    assert (ssm_metadata.num_decodes, reference_metadata.num_decodes) == (3, 1)
     layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
     kv_cache, split_counters = layer.kv_cache, layer.split_counters
 
@@ -211,30 +210,20 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, monkeypatch
         assert not torch.equal(triton_states[1][slot], states[1][slot]), f"slot {slot} was not updated"
 
 
-def decodes_then_prefills(num_decodes, g):
-    """`num_decodes` decodes, then a chunked prefill (9 tokens cached, 7 new) and a fresh one (11 tokens), with the
-    state slots split out of one tensor as vLLM's Mamba builder splits them: the prefills' slots start
-    `num_decodes` entries in, as the prefills' block table and lengths do in `hybrid_forward`."""
-    q_lens = [1] * num_decodes + [7, 11]
-    attn_metadata = attention_metadata(q_lens, [21 - 4 * i for i in range(num_decodes)] + [16, 11], g)
-    slots = torch.randperm(NUM_SLOTS, generator=g)[: num_decodes + 2].to(device=DEVICE, dtype=torch.int32)
-    decode_slots, prefill_slots = slots.split([num_decodes, 2])
-    ssm_metadata = SimpleNamespace(
-        num_decodes=num_decodes,
-        num_decode_tokens=num_decodes,
-        num_prefills=2,
-        num_prefill_tokens=18,
-        state_indices_tensor_d=decode_slots[:, None],
-        has_initial_states_d=torch.ones(num_decodes, dtype=torch.bool, device=DEVICE),
-        state_indices_tensor_p=prefill_slots,
-        query_start_loc_p=torch.tensor([0, 7, 18], dtype=torch.int32, device=DEVICE),
-        has_initial_states_p=torch.tensor([True, False], device=DEVICE),
+def decodes_then_prefills(builders, num_decodes, g):
+    """`num_decodes` decodes, then a chunked prefill (9 tokens cached, 7 new) and a fresh one (11 tokens): the
+    prefills' slots start `num_decodes` entries into vLLM's state metadata, as the prefills' block table and
+    lengths do in `hybrid_forward`."""
+    slots = torch.randperm(NUM_SLOTS, generator=g)[: num_decodes + 2].tolist()
+    seq_lens = [21 - 4 * i for i in range(num_decodes)] + [16, 11]
+    attn_metadata, ssm_metadata, _, num_tokens = step_metadata(
+        builders, seq_lens, [1] * num_decodes + [7, 11], slots, g
     )
-    return attn_metadata, ssm_metadata, sum(q_lens)
+    return attn_metadata, ssm_metadata, num_tokens
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
-def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter):
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter, state_builders):
     """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
     mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
     and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
@@ -258,7 +247,7 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     g = torch.Generator().manual_seed(4)
 
     def serve(num_decodes):
-        attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(num_decodes, g)
+        attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(state_builders, num_decodes, g)
         layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
         ssm_adapter.kv_cache = states
         output = torch.empty(num_tokens, H, D, device=DEVICE)
