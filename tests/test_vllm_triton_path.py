@@ -101,7 +101,8 @@ def step_metadata(builders, seq_lens, q_lens, slots, g):
     request i has `seq_lens[i]` tokens, `q_lens[i]` of them new, and state slot `slots[i]`."""
     from vllm_metadata import common_metadata
 
-    is_prefilling = [seq == q for seq, q in zip(seq_lens, q_lens)]  # nothing cached yet: a new prompt
+    # vLLM's flag: the request is still in its prompt (a new prompt, or a chunk of one); decodes are not.
+    is_prefilling = [q > 1 or seq == q for seq, q in zip(seq_lens, q_lens)]
     common = common_metadata(seq_lens, q_lens, is_prefilling, slots, device=DEVICE)
     from vllm_integration.ssm import HybridSSMMetadata
 
