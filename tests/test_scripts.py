@@ -2,6 +2,8 @@
 (shortened), and train.py from scratch then fine-tuning on a text file."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -112,3 +114,27 @@ def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     changed = [n for n, p in after.named_parameters() if not torch.equal(p, before.state_dict()[n])]
     assert changed, "fine-tuning changed no parameter"
     assert (tuned / "tokenizer.json").exists()
+
+
+def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
+    """bench_ab.py against this same tree, at toy sizes in Triton's interpreter (bench_kernels' --smoke timer): each
+    tree runs once per round in ABBA order, and every row of one tree's runs is paired with the same row of the
+    other's."""
+    result = tmp_path / "ab.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "scripts" / "bench_ab.py"), "--base", str(REPO_ROOT), "--rounds", "2",
+        "--json", str(result), "--log-dir", str(tmp_path / "logs"),
+        "--only", "conv", "--smoke", "--scan-batch", "1", "--scan-seq-len", "16", "--scan-channels", "8",
+    ]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    order = re.findall(r"round (\d) (base|this)", done.stdout)
+    assert order == [("0", "base"), ("0", "this"), ("1", "this"), ("1", "base")]
+    payload = json.loads(result.read_text())
+    assert [len(payload["runs"][label]) for label in ("base", "this")] == [2, 2]
+    variants = {entry["variant"] for entry in payload["comparison"] if entry["section"] == "conv1d"}
+    assert {"Triton fwd", "Triton fwd+bwd", "Triton bwd launcher alone"} <= variants
+    for entry in payload["comparison"]:
+        assert [len(entry["runs_ms"][label]) for label in ("base", "this")] == [2, 2], entry
+        assert entry["ratio"] == entry["median_ms"]["this"] / entry["median_ms"]["base"]

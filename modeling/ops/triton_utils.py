@@ -79,13 +79,20 @@ def stride_args(name: str, tensor: torch.Tensor | None, dims: str | tuple[str, .
     """A kernel's stride arguments `s_{name}_{d}`, one per letter (or name) d of `dims`, the tensor's dimensions
     outermost first, computed once per tensor: a tensor with fewer dimensions is one row of the missing outer ones
     (stride 0: a packed [T, E] batch read as [B, T, E]); None gives zeros (an absent tensor, which the kernel does not
-    read)."""
+    read). Launch-path code: the names are built once per (name, dims)."""
+    names = _stride_names(name, tuple(dims))
     if tensor is None:
-        return {f"s_{name}_{d}": 0 for d in dims}
-    missing = len(dims) - tensor.dim()
+        return dict.fromkeys(names, 0)
+    strides = tensor.stride()
+    missing = len(names) - len(strides)
     if missing < 0:
         raise ValueError(f"{name}: expected at most {len(dims)} dimensions ({dims}), got {tuple(tensor.shape)}")
-    return {f"s_{name}_{d}": tensor.stride(i - missing) if i >= missing else 0 for i, d in enumerate(dims)}
+    return dict(zip(names, (0,) * missing + strides))
+
+
+@functools.cache
+def _stride_names(name: str, dims: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(f"s_{name}_{d}" for d in dims)
 
 
 @functools.cache
