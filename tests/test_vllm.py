@@ -243,6 +243,45 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(checkpoints):
     assert_follows_hf(model, prompts, result["outputs"], tie_gap=BF16_TIE, atol=BF16_TIE, min_compared=0.4)
 
 
+# nats: fp8 e4m3 keys and values (3 mantissa bits) move this tiny model's logprobs by up to ~0.05 against a bf16
+# cache (measured on the H200); twice that is a near tie for the fp8 run.
+FP8_KV_TIE = 0.1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="our Triton kernels read fp8 KV caches on CUDA only")
+def test_fp8_kv_cache_follows_the_bf16_cache(checkpoints):
+    """`kv_cache_dtype="fp8"` on the bf16 model: vLLM stores the window's keys and values in fp8 e4m3 (one byte an
+    element, scales 1.0: the checkpoint has none and vLLM computes none for hybrids), our prefill and fused-decode
+    kernels read them; the SSM state is untouched. Tokens follow the bf16 cache's run (and Transformers') up to a
+    near tie; the logprob drift against the bf16 cache is printed for BENCHMARKS.md."""
+    model, vllm_dir = checkpoints
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=4)
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the process that reads its caches
+    runs = {
+        dtype: run_vllm(vllm_dir, prompts, dtype="bfloat16", kv_cache_dtype=dtype, state_dtypes=True,
+                        environment=environment)
+        for dtype in ("auto", "fp8")
+    }  # fmt: skip
+    drifts, same_tokens = [], 0
+    for fp8, bf16 in zip(runs["fp8"]["outputs"], runs["auto"]["outputs"]):
+        for got, want, got_logprob, want_logprob in zip(
+            fp8["token_ids"], bf16["token_ids"], fp8["logprobs"], bf16["logprobs"]
+        ):
+            if got != want:
+                break
+            drifts.append(abs(got_logprob - want_logprob))
+            same_tokens += 1
+    print(
+        f"fp8 KV against bf16 KV: {same_tokens}/{len(prompts) * MAX_TOKENS} greedy tokens equal before the first "
+        f"divergence; logprob drift there max {max(drifts):.4f}, mean {sum(drifts) / len(drifts):.4f} nats"
+    )
+    layers = model.config.num_hidden_layers
+    assert runs["auto"]["kv_element_bytes"] == [2] * layers and runs["fp8"]["kv_element_bytes"] == [1] * layers
+    assert runs["fp8"]["kv_dtypes"] == ["fp8"] * layers
+    assert runs["fp8"]["state_dtypes"] == runs["auto"]["state_dtypes"]  # the SSM state is not quantized
+    assert_follows_hf(model, prompts, runs["fp8"]["outputs"], tie_gap=FP8_KV_TIE, atol=FP8_KV_TIE, min_compared=0.3)
+
+
 def test_vllm_serve_openai_completions(checkpoints, tmp_path):
     """A real `vllm serve` subprocess, on the unconverted Transformers checkpoint (the other tests serve the converted
     one): the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a bad request with 400 and

@@ -5,8 +5,10 @@
 
 SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...], "max_tokens": n,
        "alone": bool (also generate each request in its own call; returned as "alone_outputs"),
-       "state_dtypes": bool (also return the dtypes of the SSM state caches vLLM allocated, conv and ssm, per layer;
-                       needs the engine in this process: VLLM_ENABLE_V1_MULTIPROCESSING=0),
+       "state_dtypes": bool (also return the dtypes of the SSM state caches vLLM allocated, conv and ssm, per layer,
+                       as "state_dtypes", and of the KV caches as "kv_dtypes" with the bytes each element takes
+                       there as "kv_element_bytes"; needs the engine in this process:
+                       VLLM_ENABLE_V1_MULTIPROCESSING=0),
        "adapters": [LoRA adapter dir or null, one per request] (optional: each request with its adapter, or none)}
 """
 
@@ -49,6 +51,18 @@ def run(spec: dict) -> dict:
     if spec.get("state_dtypes"):
         (result["state_dtypes"],) = llm.apply_model(
             lambda model: [[str(t.dtype) for t in m.kv_cache] for n, m in model.named_modules() if n.endswith(".ssm")]
+        )
+        # The KV cache as the attention impl reads it (fp8 caches are allocated as bytes and viewed as fp8).
+        ((result["kv_dtypes"], result["kv_element_bytes"]),) = llm.apply_model(
+            lambda model: tuple(
+                zip(
+                    *[
+                        (m.kv_cache_dtype, m.kv_cache.element_size())
+                        for n, m in model.named_modules()
+                        if n.endswith(".attn") and hasattr(m, "kv_cache_dtype")
+                    ]
+                )
+            )
         )
     counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
     result["preemptions"] = counters.get("vllm:num_preemptions", 0)

@@ -30,6 +30,7 @@ from vllm.utils.torch_utils import (
     _encode_layer_name,
     _resolve_layer_name,
     direct_register_custom_op,
+    is_quantized_kv_cache,
 )
 from vllm.v1.attention.backend import AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder
 from vllm.v1.attention.backends.triton_attn import (
@@ -42,6 +43,10 @@ from vllm.v1.attention.selector import get_attn_backend
 from .ssm import REFERENCE_KERNELS, HybridSSMAdapter, HybridSSMSpec, token_split, triton_kernels
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
+
+# The KV caches our Triton kernels read: the model's dtype, or fp8 e4m3 with a scale per tensor (the layer's k_scale
+# and v_scale). Per-token-head and int quantizations and e5m2 are vLLM kernels' formats, not ours.
+TRITON_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
 
 
@@ -73,6 +78,11 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
 
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
         key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
+        scales = {}
+        if is_quantized_kv_cache(self.kv_cache_dtype):
+            # fp8 e4m3, written by vLLM's `do_kv_cache_update` as K / k_scale and V / v_scale.
+            key_cache, value_cache = key_cache.view(self.fp8_dtype), value_cache.view(self.fp8_dtype)
+            scales = {"k_scale": layer._k_scale, "v_scale": layer._v_scale}
         # Decodes come first in both metadata; the SSM builder's split (`token_split`) cuts the batch for both.
         decode, prefill = token_split(ssm_metadata)
         num_decodes = ssm_metadata.num_decodes
@@ -81,12 +91,13 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
                 query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
                 ssm_metadata.query_start_loc_p, attn_metadata.seq_lens[num_decodes:], self.scale, layer.window,
                 out=output[prefill], max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
+                **scales,
             )  # fmt: skip
         # The decodes' window attention runs inside their SSM state update, in one launch.
         decode_step = functools.partial(
             hybrid_decode, query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
             attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
-            counters=layer.split_counters,
+            counters=layer.split_counters, **scales,
         )  # fmt: skip
         # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
         kernels = replace(triton_kernels(), state_update=decode_step)
@@ -173,9 +184,10 @@ class HybridAttentionLayer(Attention):
     ):
         cache_dtype = cache_config.cache_dtype if cache_config else "auto"
         if current_platform.is_cuda():
-            if cache_dtype != "auto":
+            if cache_dtype not in TRITON_KV_CACHE_DTYPES:
                 raise ValueError(
-                    f"HybridAttentionLayer's Triton kernels support kv_cache_dtype 'auto' only, not {cache_dtype!r}"
+                    f"HybridAttentionLayer's Triton kernels support kv_cache_dtype {' or '.join(TRITON_KV_CACHE_DTYPES)}"
+                    f" (fp8 is e4m3 with one scale per tensor), not {cache_dtype!r}"
                 )
             backend = HybridTritonAttentionBackend
         else:

@@ -14,7 +14,8 @@ def paged_kv_cache(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, l
     Physical blocks are handed out in a random order (block 0 is the null block). Blocks wholly before the window of
     a sequence's first query are "freed": their table entries point at the null block. Every cache slot no query may
     see (before that window, past the sequence, the null block, blocks nobody owns) holds NaN, and the table has a
-    spare column (entries past a sequence's end).
+    spare column (entries past a sequence's end). `dtype` torch.float8_e4m3fn gives an fp8 cache (vLLM's
+    `kv_cache_dtype="fp8"`).
     `layout`: "triton" = vLLM's Triton backend views `kv.transpose(1, 2).split(D, -1)` of one [NB, KVH, P, 2D]
     tensor; "flash" = [2, NB, P, KVH, D].
     """
@@ -22,13 +23,14 @@ def paged_kv_cache(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, l
     blocks_per_seq = [-(-seq_len // page_size) for seq_len in seq_lens]
     max_blocks = max(blocks_per_seq) + 1
     num_blocks = 1 + sum(blocks_per_seq) + 3  # null block, the sequences' blocks, blocks nobody owns
+    # An fp8 cache is filled and poisoned in fp32, then converted (NaN is an e4m3 value).
+    fill_dtype = torch.float32 if dtype == torch.float8_e4m3fn else dtype
     # Views are taken on the device: moving a view would make it contiguous.
     if layout == "triton":
-        kv = torch.randn(num_blocks, num_kv_heads, page_size, 2 * head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = kv.transpose(1, 2).split(head_dim, dim=-1)
+        kv = torch.randn(num_blocks, num_kv_heads, page_size, 2 * head_dim, generator=g).to(DEVICE, fill_dtype)
     else:
-        kv = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=g).to(DEVICE, dtype)
-        key_cache, value_cache = kv[0], kv[1]
+        kv = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=g).to(DEVICE, fill_dtype)
+    key_cache, value_cache = _views(kv, layout, head_dim)
     visible = torch.zeros(num_blocks, page_size, dtype=torch.bool)
     block_table = torch.full((len(seq_lens), max_blocks), NULL_BLOCK, dtype=torch.int32)
     physical = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
@@ -43,4 +45,12 @@ def paged_kv_cache(seq_lens, window, page_size, num_kv_heads, head_dim, dtype, l
             visible[block] = (slots >= first_key) & (slots < seq_len)
     key_cache[~visible.to(DEVICE)] = float("nan")
     value_cache[~visible.to(DEVICE)] = float("nan")
+    if fill_dtype != dtype:
+        key_cache, value_cache = _views(kv.to(dtype), layout, head_dim)
     return key_cache, value_cache, block_table.to(DEVICE)
+
+
+def _views(kv, layout, head_dim):
+    if layout == "triton":
+        return kv.transpose(1, 2).split(head_dim, dim=-1)
+    return kv[0], kv[1]

@@ -178,6 +178,41 @@ def test_hybrid_decode_matches_reference(
     check_state(ssm_state, state_ref, state_before, set(state_indices.tolist()), state_dtype)
 
 
+@pytest.mark.parametrize("splits", [1, 3], ids=lambda n: f"split{n}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_hybrid_decode_reads_an_fp8_cache(kernels, dtype, splits):
+    """vLLM's fp8 KV cache (e4m3 values of K / k_scale and V / v_scale, scales far from 1) through the fused decode,
+    against the reference's dequantized attention, split-K or not; the SSM half as with any cache."""
+    g = torch.Generator().manual_seed(17 + splits)
+    seq_lens = [37, 1, 0, 64, 23]
+    batch, channels, state, num_slots = len(seq_lens), 24, 8, 7
+    key_cache, value_cache, block_table = paged_kv_cache(seq_lens, 20, 16, 2, 32, torch.float8_e4m3fn, "triton", g)
+    query = torch.randn(batch, 8, 32, generator=g).to(DEVICE, dtype)
+    ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
+        batch, channels, state, num_slots, dtype, torch.float32, g
+    )
+    state_indices = torch.tensor([6, 2, -1, 5, 0], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scales = {"k_scale": torch.tensor(2.3, device=DEVICE), "v_scale": torch.tensor(0.45, device=DEVICE)}
+    state_ref = ssm_state.clone()
+    attn_out, ssm_out = torch.full_like(query, float("nan")), torch.full_like(u, float("nan"))
+    attn_ref, ssm_ref = torch.empty_like(query), torch.empty_like(u)
+    kernels.hybrid_decode(
+        *(query, key_cache, value_cache, block_table, seq_lens, query.shape[-1] ** -0.5, 20, attn_out),
+        *(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out),
+        num_splits=splits,
+        **scales,
+    )
+    hybrid_decode_ref(
+        *(query, key_cache, value_cache, block_table, seq_lens, query.shape[-1] ** -0.5, 20, attn_ref),
+        *(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_ref),
+        **scales,
+    )
+    torch.testing.assert_close(attn_out.float(), attn_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(ssm_out.float(), ssm_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["selective_state_update", "hybrid_decode"])
 def test_first_token_rows_start_from_a_zero_state(kernels, fused):
     """Rows flagged as a request's first token (has_initial_state False: a one-token prompt in a CUDA-graph decode

@@ -24,13 +24,14 @@ def attention():
 
 
 def make_batch(seqs, num_heads, num_kv_heads, head_dim, block_size, window, dtype, layout="triton", pad_tokens=0,
-               seed=0):  # fmt: skip
-    """Packed queries and a poisoned paged cache (`paged_kv_cache`) for sequences given as (seq_len, q_len), with
-    vLLM's metadata. `pad_tokens` query rows past the last sequence stand for CUDA-graph padding."""
+               seed=0, cache_dtype=None):  # fmt: skip
+    """Packed queries and a poisoned paged cache (`paged_kv_cache`, in `cache_dtype`, default the queries') for
+    sequences given as (seq_len, q_len), with vLLM's metadata. `pad_tokens` query rows past the last sequence stand
+    for CUDA-graph padding."""
     g = torch.Generator().manual_seed(seed)
     seq_lens, q_lens = [seq_len for seq_len, _ in seqs], [q_len for _, q_len in seqs]
     key_cache, value_cache, block_table = paged_kv_cache(
-        seq_lens, window, block_size, num_kv_heads, head_dim, dtype, layout, g, q_lens=q_lens
+        seq_lens, window, block_size, num_kv_heads, head_dim, cache_dtype or dtype, layout, g, q_lens=q_lens
     )
     query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
     num_tokens = sum(q_lens) + pad_tokens
@@ -54,8 +55,9 @@ def check(attention, batch, window, **kwargs):
     out = poisoned_out(query)
     result = attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window, out,
                        **kwargs)  # fmt: skip
+    scales = {name: kwargs[name] for name in ("k_scale", "v_scale") if name in kwargs}
     expected = paged_window_attention_ref(
-        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window, **scales
     )
     assert result is out
     assert torch.isfinite(expected).all(), "the reference read a poisoned slot"
@@ -115,6 +117,21 @@ def test_decode_batch_reads_only_the_window(attention, num_splits, dtype):
     check(attention, batch, 24, max_query_len=1, max_seq_len=95, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_fp8_cache_matches_reference(attention, dtype, decode):
+    """vLLM's fp8 KV cache (e4m3 values of K / k_scale and V / v_scale): the kernel reads the values the reference
+    dequantizes, with scales far from 1 (a kernel that skipped either would be off by their ratio)."""
+    scales = {"k_scale": torch.tensor(0.37, device=DEVICE), "v_scale": torch.tensor(1.9, device=DEVICE)}
+    if decode:
+        batch = make_batch([(70, 1), (16, 1), (1, 1), (0, 0)], 8, 2, 32, 16, 24, dtype, pad_tokens=1, seed=4,
+                           cache_dtype=torch.float8_e4m3fn)  # fmt: skip
+        check(attention, batch, 24, max_query_len=1, max_seq_len=70, num_splits=2, **scales)
+    else:
+        batch = make_batch(MIXED, 4, 2, 32, 16, 11, dtype, pad_tokens=2, seed=4, cache_dtype=torch.float8_e4m3fn)
+        check(attention, batch, 11, **scales)
+
+
 def test_permuted_and_shared_tables_and_int64_metadata(attention):
     """A non-contiguous table view (every other row of a bigger table) and int64 metadata."""
     query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(
@@ -138,6 +155,15 @@ def test_bad_inputs_are_named(attention):
         attention(query, key_cache, value_cache, block_table, query_start_loc[:1], seq_lens, 0.25, 4)
     with pytest.raises(ValueError, match="window"):
         attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 0)
+    one = torch.tensor(1.0, device=DEVICE)
+    with pytest.raises(ValueError, match="k_scale: scales apply to torch.float8_e4m3fn caches only"):
+        attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, 0.25, 4, k_scale=one)
+    fp8 = key_cache.to(torch.float8_e4m3fn), value_cache.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="v_scale: expected a one-element fp32 tensor"):
+        attention(query, *fp8, block_table, query_start_loc, seq_lens, 0.25, 4, v_scale=one.double())
+    e5m2 = key_cache.to(torch.float8_e5m2), value_cache.to(torch.float8_e5m2)
+    with pytest.raises(ValueError, match="key_cache: expected the query's dtype"):
+        attention(query, *e5m2, block_table, query_start_loc, seq_lens, 0.25, 4)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernel")

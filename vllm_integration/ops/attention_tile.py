@@ -16,6 +16,10 @@ Paged layout: key s of a sequence lives in physical block block_table[s // P], s
 frees the blocks behind a sliding window and points their table entries at a null block, so nothing before the
 window may be read, neither the cache nor the block table.
 
+Caches in fp8 (vLLM's `kv_cache_dtype="fp8"`, e4m3) hold K / k_scale and V / v_scale: a tile is converted to the
+query's dtype as it is loaded (exactly: every e4m3 value is a bf16, fp16 and fp32 value), and the callers apply the
+scales, k_scale folded into the scores' scale and v_scale into the output, so the products run in the query's dtype.
+
 Positions and the window are int32. Full attention passes triton_utils.NO_WINDOW (2**31 - 1, the largest int32) as
 its window: it is only ever subtracted from a position >= -1, which stays >= -2**31, and never added to anything, so
 no expression overflows.
@@ -62,7 +66,7 @@ def attend_key_tile(
     k_start .. k_start + BLOCK_KEYS - 1, loading only those in [k_first, k_last]. k_first is None where no tile
     starts before the first key (the paged attention's tiles start there; the fused decode's, aligned to multiples
     of BLOCK_KEYS, may start before it), and the bound then costs nothing. p_k, p_v point at the kv head's keys and
-    values, p_block_table at the sequence's block-table row. MASKED tiles hide, per row, the keys outside
+    values (in the query's dtype or fp8, see above), p_block_table at the sequence's block-table row. MASKED tiles hide, per row, the keys outside
     (query position - window, query position]; unmasked tiles must be visible to every row. Returns the rows'
     updated (m, l, acc)."""
     o_k = k_start + tl.arange(0, BLOCK_KEYS)
@@ -75,7 +79,7 @@ def attend_key_tile(
     b_block = tl.load(p_block_table + o_k // PAGE_SIZE, mask=m_k, other=0).to(tl.int64)
     o_slot = o_k % PAGE_SIZE
     p_kt = p_k + (b_block * s_k_block + o_slot * s_k_tok)[:, None] + o_d[None, :] * s_k_d
-    b_k = tl.load(p_kt, mask=m_kd, other=0.0)  # [BLOCK_KEYS, BLOCK_D]
+    b_k = tl.load(p_kt, mask=m_kd, other=0.0).to(b_q.dtype)  # [BLOCK_KEYS, BLOCK_D]
     b_s = tl.dot(b_q, tl.trans(b_k), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_KEYS]
     if MASKED:
         # Subtraction only: o_qpos - window stays >= -2**31 for NO_WINDOW, where o_k + window would overflow.
@@ -91,7 +95,7 @@ def attend_key_tile(
     b_alpha = tl.exp2(b_m - b_m_sub)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     p_vt = p_v + (b_block * s_v_block + o_slot * s_v_tok)[:, None] + o_d[None, :] * s_v_d
-    b_v = tl.load(p_vt, mask=m_kd, other=0.0)  # [BLOCK_KEYS, BLOCK_D]
+    b_v = tl.load(p_vt, mask=m_kd, other=0.0).to(b_q.dtype)  # [BLOCK_KEYS, BLOCK_D]
     b_acc = tl.dot(b_p.to(b_v.dtype), b_v, acc=b_acc * b_alpha[:, None], input_precision=DOT_PRECISION)
     return b_m_new, b_l, b_acc
 

@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9 on a GPU, 0.2 on CPU")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype for every model (e.g. fp8; default auto)"
+    )
     parser.add_argument("--prefix", action="store_true", help="also each hybrid's shared-prefix workload")
     parser.add_argument(
         "--profile",

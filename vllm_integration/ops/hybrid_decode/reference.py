@@ -93,6 +93,9 @@ def window_attention_decode_ref(
     scale: float,
     window: int | None,
     attn_out: torch.Tensor,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window (or full) attention of one query per request over the paged KV cache: the decode case of
     `paged_window_attention_ref` (one query per request), with padding requests (seq_lens 0) zeroed.
@@ -104,6 +107,7 @@ def window_attention_decode_ref(
         seq_lens: [B] int32/int64 context length including the new token (whose K/V is already cached); 0 = padding.
         scale: softmax scale.   window: W, or None for full attention.
         attn_out: [B, H, D] written and returned.
+        k_scale, v_scale: an fp8 cache's scales, as in `paged_window_attention_ref`.
     """
     real = seq_lens > 0  # [B]
     num_real = int(real.sum())
@@ -111,7 +115,7 @@ def window_attention_decode_ref(
     attn_out.zero_()
     attn_out[real] = paged_window_attention_ref(
         query[real], key_cache, value_cache, block_table[real], query_start_loc, seq_lens[real], scale, window,
-        attn_out.new_empty(num_real, *attn_out.shape[1:]),
+        attn_out.new_empty(num_real, *attn_out.shape[1:]), k_scale=k_scale, v_scale=v_scale,
     )  # fmt: skip
     return attn_out
 
@@ -137,12 +141,16 @@ def hybrid_decode_ref(
     state_indices: torch.Tensor,
     ssm_out: torch.Tensor,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both halves of a hybrid layer's decode step: `window_attention_decode_ref` then `selective_state_update_ref`
     (see them for the arguments). Reference of `hybrid_decode` (interface.py, same signature), which does both in one
     launch. Returns (attn_out [B, H, D], ssm_out [B, E])."""
-    window_attention_decode_ref(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out)
+    window_attention_decode_ref(
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, k_scale=k_scale, v_scale=v_scale
+    )
     selective_state_update_ref(
         ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state
     )

@@ -67,16 +67,36 @@ def _pick_blocks(
     }
 
 
-def check_paged_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, query: torch.Tensor) -> None:
-    """key_cache and value_cache [NB, P, KVH, D] (any strides) in the dtype of query [rows, H, D], H % KVH == 0."""
+# vLLM's fp8 KV cache (`kv_cache_dtype="fp8"` / "fp8_e4m3" on CUDA): values stored as x / scale, one fp32 scale per
+# tensor (the layer's k_scale and v_scale).
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+
+
+def check_paged_cache(key_cache, value_cache, query, k_scale=None, v_scale=None) -> None:
+    """key_cache and value_cache [NB, P, KVH, D] (any strides) in the dtype of query [rows, H, D] (H % KVH == 0), or
+    in fp8 e4m3 with their scales k_scale, v_scale (one-element fp32 tensors on the query's device; None reads 1)."""
     num_heads, head_dim = query.shape[1:]
     if not (key_cache.dim() == 4 and key_cache.shape[3] == head_dim):
         raise ValueError(f"key_cache: expected [blocks, page, kv heads, {head_dim}], got {tuple(key_cache.shape)}")
     if value_cache.shape != key_cache.shape:
         raise ValueError(f"value_cache: expected key_cache's shape {tuple(key_cache.shape)}, got {value_cache.shape}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        if cache.dtype != query.dtype:
-            raise ValueError(f"{name}: expected the query's dtype {query.dtype}, got {cache.dtype}")
+        if cache.dtype not in (query.dtype, FP8_CACHE_DTYPE):
+            raise ValueError(
+                f"{name}: expected the query's dtype {query.dtype} or {FP8_CACHE_DTYPE}, got {cache.dtype}"
+            )
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"value_cache: expected key_cache's dtype {key_cache.dtype}, got {value_cache.dtype}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            continue
+        if key_cache.dtype != FP8_CACHE_DTYPE:
+            raise ValueError(f"{name}: scales apply to {FP8_CACHE_DTYPE} caches only, got a {key_cache.dtype} cache")
+        if not (scale.numel() == 1 and scale.dtype == torch.float32 and scale.device == query.device):
+            raise ValueError(
+                f"{name}: expected a one-element fp32 tensor on {query.device}, got {scale.dtype} "
+                f"{tuple(scale.shape)} on {scale.device}"
+            )
     if num_heads % key_cache.shape[2]:
         raise ValueError(f"query: {num_heads} heads is not a multiple of the cache's {key_cache.shape[2]} kv heads")
 
@@ -92,6 +112,8 @@ def paged_window_attention(
     window: int | None,
     out: torch.Tensor | None = None,
     *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     block_q: int | None = None,
@@ -104,12 +126,15 @@ def paged_window_attention(
 
     Args:
         query: [T, H, D] packed queries of S sequences (RoPE applied), head dim contiguous.
-        key_cache, value_cache: [NB, P, KVH, D] in query's dtype, any strides (views of vLLM's packed cache).
+        key_cache, value_cache: [NB, P, KVH, D] in query's dtype or fp8 e4m3, any strides (views of vLLM's packed
+            cache).
         block_table: [S, MB] int32/int64, rows contiguous; entries for blocks outside every query's window are never
             read.
         query_start_loc: [S + 1] int32/int64; seq_lens: [S] int32/int64, context lengths including the new tokens.
         scale: softmax scale; window: W (query t sees keys t - W < s <= t) or None for full attention.
         out: [T, H, D] in query's dtype, head dim contiguous; allocated when None.
+        k_scale, v_scale: an fp8 cache's scales (it holds K / k_scale and V / v_scale), one-element fp32 tensors read
+            on the device (CUDA-graph safe); None: 1.
         max_query_len, max_seq_len: host-side bounds (vLLM's metadata carries them) that only steer the default
             configuration: max_query_len == 1 selects the decode configuration (and split-K).
         block_q, block_keys, num_splits, num_warps, num_stages: launch configuration overrides (`_pick_blocks` fills
@@ -121,7 +146,7 @@ def paged_window_attention(
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     check_tokens("query", query, (num_tokens, num_heads, head_dim))
-    check_paged_cache(key_cache, value_cache, query)
+    check_paged_cache(key_cache, value_cache, query, k_scale, v_scale)
     if num_seqs < 1:
         raise ValueError("seq_lens: expected at least one sequence")
     check_index("seq_lens", seq_lens, (num_seqs,), like=query)
@@ -166,6 +191,7 @@ def paged_window_attention(
         part_acc = part_m = part_l = out  # unused
     _paged_window_attention_kernel[(num_qblocks, num_kv_heads, num_splits)](
         *(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, part_acc, part_m, part_l),
+        *(k_scale, v_scale),
         *(num_seqs, num_tokens, num_heads, window),
         scale * math.log2(math.e),  # softmax in base 2
         *query.stride()[:2],

@@ -39,6 +39,8 @@ def _paged_window_attention_kernel(
     p_part_acc,
     p_part_m,
     p_part_l,
+    p_k_scale,
+    p_v_scale,
     num_seqs,
     num_tokens,
     num_heads,
@@ -72,7 +74,7 @@ def _paged_window_attention_kernel(
     query_start_loc[i] // BLOCK_Q + i (an upper bound on the blocks before it, so the grid needs no device lengths),
     or query_start_loc[i] when BLOCK_Q == 1. With NUM_SPLITS == 1 it writes out [T, H, D] (zeros for rows past
     query_start_loc[S]); otherwise partial states [T, H, NUM_SPLITS] for `_merge_splits_kernel`. The head dim of
-    q and out is contiguous."""
+    q and out is contiguous. p_k_scale, p_v_scale: an fp8 cache's scales (one fp32 each), None for other caches."""
     i_blk, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
 
     # 1. Sequence of this query block: the last one whose first block is <= i_blk (binary search).
@@ -136,6 +138,8 @@ def _paged_window_attention_kernel(
     p_k_head = p_k + i_kvh * s_k_head
     p_v_head = p_v + i_kvh * s_v_head
     p_table_row = p_block_table + i_seq.to(tl.int64) * s_table_seq
+    if p_k_scale is not None:  # an fp8 cache holds K / k_scale
+        qk_scale = qk_scale * tl.load(p_k_scale)
     for j in tl.range(j_begin, tl.minimum(j_end, j_window)):
         b_m, b_l, b_acc = attend_key_tile(
             b_q, b_m, b_l, b_acc, k_first + j * BLOCK_KEYS, None, q_last, o_qpos, window, qk_scale,
@@ -154,6 +158,9 @@ def _paged_window_attention_kernel(
             p_k_head, p_v_head, p_table_row, s_k_block, s_k_tok, s_k_d, s_v_block, s_v_tok, s_v_d,
             HEAD_DIM, BLOCK_D, BLOCK_KEYS, PAGE_SIZE, MASKED=True,
         )  # fmt: skip
+
+    if p_v_scale is not None:  # an fp8 cache holds V / v_scale (the partial states are linear in acc)
+        b_acc = b_acc * tl.load(p_v_scale)
 
     # 5. Output rows, or this split's partial state (a split without keys for a row leaves m = -inf, l = 0 there).
     if NUM_SPLITS == 1:

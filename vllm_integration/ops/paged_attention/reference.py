@@ -32,6 +32,9 @@ def paged_window_attention_ref(
     scale: float,
     window: int | None,
     out: torch.Tensor | None = None,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged (sliding-window) causal attention, one sequence at a time.
 
@@ -44,6 +47,8 @@ def paged_window_attention_ref(
         scale: softmax scale (1/sqrt(D)).
         window: W for a sliding layer (t - W < s <= t), None for full causal attention.
         out: [T, H, D] written in place when given.
+        k_scale, v_scale: the scales of an fp8 cache, which holds K / k_scale and V / v_scale (vLLM's
+            `kv_cache_dtype="fp8"`); None: 1.
 
     Returns:
         out [T, H, D] in query's dtype. Rows past query_start_loc[S] (CUDA-graph padding tokens) are zeros.
@@ -65,6 +70,10 @@ def paged_window_attention_ref(
         slots = k_pos % key_cache.shape[1]
         k = key_cache[blocks, slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = value_cache[blocks, slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        if k_scale is not None:
+            k = k * k_scale.float()
+        if v_scale is not None:
+            v = v * v_scale.float()
         q = query[starts[i] : starts[i + 1]].float()  # [q_len, H, D]
 
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, L]
