@@ -80,7 +80,7 @@ def common_metadata(seq_lens, query_lens, is_prefilling, state_blocks, device="c
         block_table_tensor=block_table.to(device),
         slot_mapping=torch.arange(sum(query_lens), device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        is_prefilling=torch.tensor(is_prefilling, device=device),
+        is_prefilling=torch.tensor(is_prefilling),  # on the host, as vLLM's model runner gives it
         seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32),
     )
 
