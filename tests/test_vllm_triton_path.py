@@ -271,3 +271,20 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
         serve(num_decodes)
     assert compiled_variants(*prefill_kernels) == prefill_compiled
     assert compiled_variants(*decode_kernels) == decode_compiled
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e5m2", "int8_per_token_head"])
+def test_the_cuda_layer_refuses_kv_caches_its_kernels_do_not_read(monkeypatch, cache_dtype):
+    """On CUDA the layer serves the model's dtype and fp8 e4m3 only: other quantized KV caches are refused by name,
+    before anything is built."""
+    from vllm.config import CacheConfig
+
+    from vllm_integration import attention
+    from vllm_integration.ssm import HybridSSMSpec
+
+    monkeypatch.setattr(attention.current_platform, "is_cuda", lambda: True)
+    with pytest.raises(ValueError, match=f"support kv_cache_dtype auto or fp8 or fp8_e4m3 .*not '{cache_dtype}'"):
+        attention.HybridAttentionLayer(
+            4, 16, 0.25, 2, ssm=HybridSSMSpec(8, 4, 4, 2), sliding_window=8, max_num_seqs=4,
+            cache_config=CacheConfig(cache_dtype=cache_dtype),
+        )  # fmt: skip
