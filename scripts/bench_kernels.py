@@ -443,8 +443,9 @@ def bench_decode(args) -> list[Row]:
     """One decode step of a batch: window attention over the paged KV and the SSM state update. The fused kernel
     (one launch) against the same work in separate launches (ours, and vLLM's unified_attention +
     selective_state_update where vLLM is importable)."""
+    from modeling.ops.selective_scan.interface import selective_state_update
     from vllm_integration.ops import hybrid_decode_ref
-    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode, selective_state_update
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
     from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     batch, window, context = args.decode_batch, args.window, args.decode_context

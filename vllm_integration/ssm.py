@@ -40,10 +40,10 @@ from modeling.ops import (
     causal_conv1d_update_ref,
     causal_conv1d_varlen_ref,
     selective_scan_varlen_ref,
+    selective_state_update_ref,
 )
 
 from .layout import a_from_a_log
-from .ops import selective_state_update_ref
 
 
 def finite_a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
@@ -166,9 +166,7 @@ REFERENCE_KERNELS = SSMKernels(
 def triton_kernels() -> SSMKernels:
     """The Triton kernels (CUDA); imported on first use so that CPU-only installs never build them."""
     from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
-    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
-
-    from .ops.hybrid_decode.interface import selective_state_update
+    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd, selective_state_update
 
     return SSMKernels(
         conv_update=causal_conv1d_update,

@@ -2,11 +2,11 @@
 the ground truth for its Triton kernels in the package beside it:
 
     causal_conv1d/      training conv (fwd/bwd), varlen prefill conv and decode update over a conv state cache
-    selective_scan/     training scan (fwd/bwd) and varlen prefill scan over an ssm state cache
+    selective_scan/     training scan (fwd/bwd), varlen prefill scan and decode state update over an ssm state cache
                         (packages laid out as fla's ops: reference.py, exported here; the kernels behind interface.py)
 
-The kernels that only vLLM's layouts need (the paged window attention, the decode step) live beside the backend that
-runs them, in vllm_integration/ops.
+The kernels that only vLLM's layouts need (the paged window attention, the fused decode of window attention and state
+update) live beside the backend that runs them, in vllm_integration/ops.
 
 The kernel modules import Triton; import them where the kernels are used (CUDA, or Triton's interpreter), e.g.
 `from modeling.ops.selective_scan.interface import selective_scan_fn`. This package and the references import no
@@ -14,7 +14,7 @@ Triton.
 """
 
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from .selective_scan import selective_scan_ref, selective_scan_varlen_ref
+from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
 
 __all__ = [
     "causal_conv1d_ref",
@@ -22,4 +22,5 @@ __all__ = [
     "causal_conv1d_varlen_ref",
     "selective_scan_ref",
     "selective_scan_varlen_ref",
+    "selective_state_update_ref",
 ]

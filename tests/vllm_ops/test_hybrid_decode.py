@@ -1,6 +1,6 @@
-"""The decode kernels (`selective_state_update`, the fused `hybrid_decode`: vllm_integration/ops/hybrid_decode)
-against their references, in Triton's interpreter on CPU machines; the paged KV caches are poisoned outside every
-request's window (paged_cache.py)."""
+"""The decode kernels (the selective scan's `selective_state_update`: modeling/ops/selective_scan; the fused
+`hybrid_decode`: vllm_integration/ops/hybrid_decode) against their references, in Triton's interpreter on CPU
+machines; the paged KV caches are poisoned outside every request's window (paged_cache.py)."""
 
 import importlib
 
@@ -9,8 +9,8 @@ import torch
 from conftest import compiled_variants
 from paged_cache import DEVICE, paged_kv_cache
 
-from modeling.ops.selective_scan import selective_scan_ref
-from vllm_integration.ops import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
+from modeling.ops.selective_scan import selective_scan_ref, selective_state_update_ref
+from vllm_integration.ops import hybrid_decode_ref, window_attention_decode_ref
 
 pytest.importorskip("triton")
 
@@ -19,8 +19,14 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 @pytest.fixture(scope="module")
 def kernels():
-    """The kernels' interface, imported after conftest has set TRITON_INTERPRET on CPU machines."""
+    """The fused decode's interface, imported after conftest has set TRITON_INTERPRET on CPU machines."""
     return importlib.import_module("vllm_integration.ops.hybrid_decode.interface")
+
+
+@pytest.fixture(scope="module")
+def scan_kernels():
+    """The selective scan's interface (`selective_state_update`), imported as `kernels` is."""
+    return importlib.import_module("modeling.ops.selective_scan.interface")
 
 
 def dtype_id(dtype: torch.dtype) -> str:
@@ -66,7 +72,7 @@ SSM_CASES = [  # batch, E, N, dtype, state dtype, block_e
     SSM_CASES,
     ids=[f"B{c[0]}-E{c[1]}-N{c[2]}-{dtype_id(c[3])}-state_{dtype_id(c[4])}-blockE{c[5]}" for c in SSM_CASES],
 )
-def test_selective_state_update_matches_reference(kernels, batch, channels, state, dtype, state_dtype, block_e):
+def test_selective_state_update_matches_reference(scan_kernels, batch, channels, state, dtype, state_dtype, block_e):
     g = torch.Generator().manual_seed(batch * channels)
     num_slots = batch + 4
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(
@@ -80,7 +86,7 @@ def test_selective_state_update_matches_reference(kernels, batch, channels, stat
     out = torch.full_like(u, float("nan"))  # poisoned: every element must be written
     out_ref = torch.empty_like(u)
 
-    result = kernels.selective_state_update(
+    result = scan_kernels.selective_state_update(
         ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, block_e=block_e
     )
     selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, out_ref)
@@ -91,7 +97,7 @@ def test_selective_state_update_matches_reference(kernels, batch, channels, stat
     check_state(ssm_state, state_ref, before, set(state_indices.tolist()), state_dtype)
 
 
-def test_selective_state_update_strided_state(kernels):
+def test_selective_state_update_strided_state(scan_kernels):
     """The state cache may be a strided view (e.g. one half of a larger per-slot buffer)."""
     g = torch.Generator().manual_seed(7)
     batch, channels, state, num_slots = 3, 20, 16, 5
@@ -104,7 +110,7 @@ def test_selective_state_update_strided_state(kernels):
     state_indices = torch.tensor([4, 0, 2], dtype=torch.int32, device=DEVICE)
     backing_before = backing.clone()
     out, out_ref = torch.full_like(u, float("nan")), torch.empty_like(u)
-    kernels.selective_state_update(strided, u, dt, A, B, C, D, z, dt_bias, state_indices, out)
+    scan_kernels.selective_state_update(strided, u, dt, A, B, C, D, z, dt_bias, state_indices, out)
     selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias, state_indices, out_ref)
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(strided, state_ref, atol=1e-5, rtol=1e-5)
@@ -214,7 +220,7 @@ def test_hybrid_decode_reads_an_fp8_cache(kernels, dtype, splits):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["selective_state_update", "hybrid_decode"])
-def test_first_token_rows_start_from_a_zero_state(kernels, fused):
+def test_first_token_rows_start_from_a_zero_state(kernels, scan_kernels, fused):
     """Rows flagged as a request's first token (has_initial_state False: a one-token prompt in a CUDA-graph decode
     batch) ignore their stale slot: their output is the scan over that one token from a zero state, and the slot
     then holds that scan's state; the other rows continue from their slots as before."""
@@ -246,7 +252,7 @@ def test_first_token_rows_start_from_a_zero_state(kernels, fused):
         torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
         assert (attn_out[2] == 0).all()
     else:
-        kernels.selective_state_update(
+        scan_kernels.selective_state_update(
             ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state
         )
     ssm_ref = selective_state_update_ref(
@@ -416,16 +422,16 @@ def test_hybrid_decode_takes_int64_metadata_and_a_strided_table(kernels):
     torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_name_the_tensor(kernels):
+def test_bad_inputs_name_the_tensor(kernels, scan_kernels):
     g = torch.Generator().manual_seed(0)
     ssm_state, u, dt, A, B, C, D, z, dt_bias = random_ssm_inputs(2, 16, 4, 3, torch.float32, torch.float32, g)
     out = torch.empty_like(u)
     with pytest.raises(ValueError, match="state_indices"):  # slots are int32 or int64
-        kernels.selective_state_update(
+        scan_kernels.selective_state_update(
             ssm_state, u, dt, A, B, C, D, z, dt_bias, torch.tensor([0.0, 1.0], device=DEVICE), out
         )
     with pytest.raises(ValueError, match="ssm_state"):
-        kernels.selective_state_update(
+        scan_kernels.selective_state_update(
             ssm_state[:, :8],
             u,
             dt,
@@ -454,7 +460,7 @@ def test_bad_inputs_name_the_tensor(kernels):
         )
 
 
-def test_softplus_of_raw_dt(kernels):
+def test_softplus_of_raw_dt(scan_kernels):
     """dt is the raw dt_proj output: the kernel adds the bias and takes softplus, including the linear region
     above 20 and tiny steps far below zero."""
     g = torch.Generator().manual_seed(1)
@@ -464,7 +470,7 @@ def test_softplus_of_raw_dt(kernels):
     state_indices = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
     state_ref = ssm_state.clone()
     out, out_ref = torch.full_like(u, float("nan")), torch.empty_like(u)
-    kernels.selective_state_update(ssm_state, u, dt, A, B, C, D, z, dt_bias * 0, state_indices, out)
+    scan_kernels.selective_state_update(ssm_state, u, dt, A, B, C, D, z, dt_bias * 0, state_indices, out)
     selective_state_update_ref(state_ref, u, dt, A, B, C, D, z, dt_bias * 0, state_indices, out_ref)
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)

@@ -5,21 +5,21 @@ functions; import it where the kernels run):
 
     paged_attention   window attention over the paged KV cache for prefill, chunked prefill and decode rows in one
                       batch (vLLM's prefills run it)
-    hybrid_decode     the decode step: the SSM state update alone (`selective_state_update`), or fused with the
-                      window attention in one launch (`hybrid_decode`, what vLLM's decodes run)
+    hybrid_decode     the decode step: the window attention and the SSM state update fused in one launch
+                      (`hybrid_decode`, what vLLM's decodes run)
     attention_tile.py the window-attention steps both attention kernels are built from: the online-softmax step
                       over a tile of paged keys and the merge of split-K partials
 
 The glossary of dimension letters is in paged_attention/reference.py; tests in tests/vllm_ops/, one file per op. The
-SSM branch's prefill kernels (conv, scan) are shared with training and live in modeling/ops.
+SSM branch's other kernels (conv, scan, and the state update alone, whose SSM step `hybrid_decode` runs) are shared
+with the Transformers model and live in modeling/ops.
 """
 
-from .hybrid_decode import hybrid_decode_ref, selective_state_update_ref, window_attention_decode_ref
+from .hybrid_decode import hybrid_decode_ref, window_attention_decode_ref
 from .paged_attention import paged_window_attention_ref
 
 __all__ = [
     "hybrid_decode_ref",
     "paged_window_attention_ref",
-    "selective_state_update_ref",
     "window_attention_decode_ref",
 ]

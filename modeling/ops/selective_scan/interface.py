@@ -1,13 +1,16 @@
 """The Mamba-1 selective scan's public functions (references with the same signatures in reference.py): argument
-checks, launch policy and autograd around the launchers of forward.py and backward.py.
+checks, launch policy and autograd around the launchers of forward.py and backward.py, and the decode kernel of
+decode.py.
 
     selective_scan_fn           training: [B, T, E], autograd (gradients for every input, the final state's too);
                                 rows may pack several sequences (`seq_idx`, padding-free training)
     selective_scan_varlen_fwd   serving prefills: packed [T, E] sequences continuing from / updating the state cache
+    selective_state_update      decode steps: one token per request [B, E], from and into its state cache slot
 
-Both take the step as mamba_ssm does: `dt_bias` (None) and `dt_softplus` (False) keywords, the step being
+The two scans take the step as mamba_ssm does: `dt_bias` (None) and `dt_softplus` (False) keywords, the step being
 softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given). The model's training path passes the step itself;
-serving passes the raw dt_proj output with dt_bias and dt_softplus=True.
+serving passes the raw dt_proj output with dt_bias and dt_softplus=True, which is the one form the decode step takes
+(its step is always softplus(dt + dt_bias)).
 """
 
 from typing import NamedTuple
@@ -17,6 +20,7 @@ import triton
 
 from ..triton_utils import check_flags, check_index, check_tokens
 from .backward import launch_selective_scan_bwd
+from .decode import _selective_state_update_kernel, pick_state_update_block_e, state_update_args
 from .forward import launch_selective_scan_fwd
 
 
@@ -341,5 +345,47 @@ def selective_scan_varlen_fwd(
         cu_seqlens=cu_seqlens,
         state_indices=state_indices,
         has_initial_state=has_initial_state,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serving: decode steps, one token per request, against the ssm-state cache [slots, E, N] (any strides)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def selective_state_update(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
+    block_e: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """One selective-scan step per decoding request, state updated in its slot; same contract as
+    `selective_state_update_ref`: ssm_state [slots, E, N] (fp32/bf16/fp16, any strides); u, dt, z [B, E] and B, C
+    [B, N] (row-strided views allowed); A [E, N] fp32; D, dt_bias [E]; state_indices [B] int32/int64 (-1 = padding:
+    no state touched, zeros written); out [B, E]; has_initial_state [B] bool or None (False: start from a zero
+    state). `dt` is the raw dt_proj output, softplus(dt + dt_bias) is taken here. One launch, no host sync:
+    CUDA-graph safe. Returns `out`."""
+    ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state)
+    block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
+    if u.shape[0] == 0:  # an empty grid is not a valid launch
+        return out
+    _selective_state_update_kernel[(u.shape[0], triton.cdiv(ssm.E, block_e))](
+        ssm,
+        BLOCK_E=block_e,
+        BLOCK_N=triton.next_power_of_2(ssm.N),
+        HAS_INITIAL_FLAGS=has_initial_state is not None,
+        num_warps=num_warps,
     )
     return out

@@ -2,7 +2,8 @@
 are behind interface.py, one reference per public kernel function, same signatures).
 
 Glossary of dimension letters (one meaning per letter across modeling/ops):
-    B  batch            T  time (tokens of one sequence, or of a packed batch)
+    B  batch (of a decode step: the decoding requests, one new token each)
+    T  time (tokens of one sequence, or of a packed batch)
     E  SSM channels     N  state size per channel
     S  sequences of a packed batch, delimited by `cu_seqlens` [S+1] (sequence s owns tokens cu[s]..cu[s+1]-1)
     slots  rows of the serving ssm-state cache, one per running request
@@ -11,7 +12,8 @@ The recurrence (DESIGN.md, "SSM history branch"), per channel e and time t, in f
     state_t = exp(dt_t * A) * state_{t-1} + (dt_t * u_t) * B_t
     y_t     = (state_t @ C_t + D * u_t) * silu(z_t)
 The step dt_t comes from the `dt` argument as in mamba_ssm (delta_bias, delta_softplus):
-    step = softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given).
+    step = softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given);
+the decode step (`selective_state_update_ref`, a scan of length one per request) always takes softplus(dt + dt_bias).
 """
 
 import torch
@@ -150,4 +152,56 @@ def selective_scan_varlen_ref(
         )
         out[tokens] = y[0].to(out.dtype)
         ssm_state[slot] = state[0].to(ssm_state.dtype)
+    return out
+
+
+def selective_state_update_ref(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    has_initial_state: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One selective-scan step per decoding request, reading and writing its state slot. Reference of
+    `selective_state_update` (interface.py, same signature).
+
+    Args:
+        ssm_state: [slots, E, N] state cache (fp32, bf16 or fp16), updated in place for the slots in `state_indices`.
+        u:  [B, E] conv output (after silu).
+        dt: [B, E] raw `dt_proj` output WITHOUT its bias: the step is `softplus(dt + dt_bias)`, in fp32.
+        A:  [E, N] fp32 negative decay rates.   B, C: [B, N] projections of the state.
+        D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
+        state_indices: [B] int32/int64 slot of each request; -1 marks a padding row.
+        out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
+        has_initial_state: [B] bool; False: the request's first token, which starts from a zero state whatever its
+            slot holds (the slot is written as usual). None: every request continues from its slot.
+    """
+    valid = state_indices >= 0  # [B]
+    slots = state_indices[valid].long()  # [B']
+    initial_state = ssm_state[slots].float()
+    if has_initial_state is not None:
+        initial_state[~has_initial_state[valid]] = 0.0
+    step = F.softplus(dt[valid].float() + dt_bias.float())  # [B', E]
+    # A decode is a scan of length one: [B', E] -> [B', 1, E] (and [B', N] -> [B', 1, N]).
+    y, state = selective_scan_ref(
+        u[valid, None],
+        step[:, None],
+        A,
+        B[valid, None],
+        C[valid, None],
+        D,
+        z[valid, None],
+        initial_state=initial_state,
+    )
+    out.zero_()
+    out[valid] = y[:, 0].to(out.dtype)
+    ssm_state[slots] = state.to(ssm_state.dtype)
     return out

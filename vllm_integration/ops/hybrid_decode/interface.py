@@ -1,23 +1,19 @@
-"""`selective_state_update` and `hybrid_decode`: the launch policy, argument checks and launches of the decode kernels
-(kernel.py); same signatures as `selective_state_update_ref` and `hybrid_decode_ref` (reference.py).
+"""`hybrid_decode`: the launch policy, argument checks and launch of the fused decode kernel (kernel.py); same
+signature as `hybrid_decode_ref` (reference.py). Its SSM half is checked and sized by the selective scan's decode
+helpers (`state_update_args`, `pick_state_update_block_e`: modeling/ops/selective_scan/decode.py), shared with the
+standalone state update (`selective_state_update` in modeling/ops/selective_scan/interface.py).
 """
 
-import functools
 import math
 
 import torch
 import triton
 
-from modeling.ops.triton_utils import check_flags, check_index, check_table, check_tokens, num_sms, window_or_unbounded
+from modeling.ops.selective_scan.decode import pick_state_update_block_e, state_update_args
+from modeling.ops.triton_utils import check_index, check_table, check_tokens, num_sms, window_or_unbounded
 
 from ..paged_attention.interface import check_paged_cache
-from .kernel import DecodeAttentionArgs, StateUpdateArgs, _hybrid_decode_kernel, _selective_state_update_kernel
-
-
-@functools.cache
-def _pick_ssm_block_e(num_channels: int, state_size: int) -> int:
-    """Channels per SSM program: a [BLOCK_E, N] fp32 state block of about 2048 values (16 per thread at 4 warps)."""
-    return min(triton.next_power_of_2(num_channels), max(1, 2048 // triton.next_power_of_2(state_size)))
+from .kernel import DecodeAttentionArgs, _hybrid_decode_kernel
 
 
 def _pick_attention_config(
@@ -33,79 +29,6 @@ def _pick_attention_config(
     if pairs < 2 * sms:
         splits = max(1, min(triton.cdiv(4 * sms, pairs), triton.cdiv(max_keys, block_keys) // 4))
     return {"block_keys": block_keys, "num_splits": splits, "num_warps": 4, "num_stages": 2}
-
-
-def _state_update_args(
-    ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state
-) -> StateUpdateArgs:
-    """Checks the arguments of `selective_state_update` (see `selective_state_update_ref`) and groups them, with their
-    strides and sizes, as the kernels take them."""
-    if u.dim() != 2:
-        raise ValueError(f"u: expected [requests, channels], got {tuple(u.shape)}")
-    num_requests, num_channels = u.shape
-    state_size = A.shape[-1]
-    for name, x in (("u", u), ("dt", dt), ("z", z), ("out", out)):
-        check_tokens(name, x, (num_requests, num_channels))
-    for name, x in (("B", B), ("C", C)):
-        check_tokens(name, x, (num_requests, state_size))
-    if not (A.shape == (num_channels, state_size) and A.dtype == torch.float32 and A.is_contiguous()):
-        raise ValueError(f"A: expected a contiguous fp32 {(num_channels, state_size)}, got {A.dtype} {tuple(A.shape)}")
-    for name, x in (("D", D), ("dt_bias", dt_bias)):
-        if not (x.shape == (num_channels,) and x.is_contiguous()):
-            raise ValueError(f"{name}: expected a contiguous ({num_channels},), got {tuple(x.shape)}")
-    if not (ssm_state.dim() == 3 and ssm_state.shape[1:] == (num_channels, state_size)):
-        raise ValueError(f"ssm_state: expected [slots, {num_channels}, {state_size}], got {tuple(ssm_state.shape)}")
-    if ssm_state.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"ssm_state: expected fp32, bf16 or fp16, got {ssm_state.dtype}")
-    check_index("state_indices", state_indices, (num_requests,), like=u)
-    if has_initial_state is not None:
-        check_flags("has_initial_state", has_initial_state, (num_requests,))
-    return StateUpdateArgs(
-        *(ssm_state, *ssm_state.stride()),
-        state_indices,
-        state_indices if has_initial_state is None else has_initial_state,
-        *(u, dt, z, B, C, out),
-        *(u.stride(0), dt.stride(0), z.stride(0), B.stride(0), C.stride(0), out.stride(0)),
-        *(A, D, dt_bias),
-        *(num_channels, state_size),
-    )
-
-
-def selective_state_update(
-    ssm_state: torch.Tensor,
-    u: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    z: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    has_initial_state: torch.Tensor | None = None,
-    block_e: int | None = None,
-    num_warps: int = 4,
-) -> torch.Tensor:
-    """One selective-scan step per decoding request, state updated in its slot; same contract as
-    `selective_state_update_ref`: ssm_state [slots, E, N] (fp32/bf16/fp16, any strides); u, dt, z [B, E] and B, C
-    [B, N] (row-strided views allowed); A [E, N] fp32; D, dt_bias [E]; state_indices [B] int32/int64 (-1 = padding:
-    no state touched, zeros written); out [B, E]; has_initial_state [B] bool or None (False: start from a zero
-    state). `dt` is the raw dt_proj output, softplus(dt + dt_bias) is taken here. One launch, no host sync:
-    CUDA-graph safe. Returns `out`."""
-    ssm = _state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state)
-    block_e = block_e or _pick_ssm_block_e(ssm.E, ssm.N)
-    if u.shape[0] == 0:  # an empty grid is not a valid launch
-        return out
-    _selective_state_update_kernel[(u.shape[0], triton.cdiv(ssm.E, block_e))](
-        ssm,
-        BLOCK_E=block_e,
-        BLOCK_N=triton.next_power_of_2(ssm.N),
-        HAS_INITIAL_FLAGS=has_initial_state is not None,
-        num_warps=num_warps,
-    )
-    return out
 
 
 def hybrid_decode(
@@ -145,10 +68,11 @@ def hybrid_decode(
         query [B, H, D] (RoPE applied; head stride free, head dim contiguous); key_cache, value_cache [NB, P, KVH, D]
         with any strides (e.g. vLLM's Triton layout `kv_cache.transpose(1, 2).split(D, dim=-1)`); block_table
         [B, MB] int32/int64 (rows contiguous); seq_lens [B] int32/int64 (0 = padding row: zeros written); scale;
-        window W or None; attn_out [B, H, D] (head dim contiguous); the SSM arguments as in `selective_state_update`.
+        window W or None; attn_out [B, H, D] (head dim contiguous); the SSM arguments as in `selective_state_update`
+        (modeling.ops.selective_scan.interface).
         An fp8 e4m3 cache holds K / k_scale and V / v_scale (one-element fp32 tensors, read on the device; None: 1).
 
-    Tuning (defaults from `_pick_attention_config` / `_pick_ssm_block_e`): block_keys keys per tile, num_splits
+    Tuning (defaults from `_pick_attention_config` / `pick_state_update_block_e`): block_keys keys per tile, num_splits
     programs per (request, kv head), block_e channels per SSM program, num_warps, num_stages. `counters`: an int32
     buffer of at least B * KVH zeros, left zeroed by the kernel; pass a persistent one to avoid zeroing a fresh one
     (a memset launch) on every call when num_splits > 1. The grid depends only on shapes and host ints: CUDA-graph
@@ -162,14 +86,14 @@ def hybrid_decode(
     window = window_or_unbounded(window)
     if u.dim() != 2 or u.shape[0] != num_requests:
         raise ValueError(f"u: expected {num_requests} rows (one per decoding request), got {tuple(u.shape)}")
-    ssm = _state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
+    ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
 
     num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
     max_keys = block_table.shape[1] * page_size
     config = _pick_attention_config(num_requests, num_kv_heads, head_dim, min(window, max_keys), query.device)
     block_keys = block_keys or config["block_keys"]
     splits = num_splits or config["num_splits"]
-    block_e = block_e or _pick_ssm_block_e(ssm.E, ssm.N)
+    block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
     group = num_heads // num_kv_heads
     if not (block_keys >= 16 and block_keys & (block_keys - 1) == 0):
         raise ValueError(f"block_keys: expected a power of two >= 16, got {block_keys}")

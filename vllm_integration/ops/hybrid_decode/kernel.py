@@ -1,15 +1,15 @@
-"""Triton kernels of the hybrid layer's decode step (launchers in interface.py; references, with the glossary and the
-exact semantics, in reference.py):
+"""Triton kernel of the hybrid layer's fused decode step (launcher in interface.py; references, with the glossary and
+the exact semantics, in reference.py):
 
-    _selective_state_update_kernel   one SSM step per decoding request, the state updated in its slot
-    _hybrid_decode_kernel            ONE launch for a batch of decoding requests: the sliding-window attention over
-                                     vLLM's paged KV cache AND the SSM state update. Inference only: no autograd.
+    _hybrid_decode_kernel   ONE launch for a batch of decoding requests: the sliding-window attention over vLLM's
+                            paged KV cache AND the SSM state update. Inference only: no autograd.
 
-Both run the SSM step as `ssm_state_update`; the fused decode's attention is built from the steps of
-../attention_tile.py, as the paged window attention is. The kernels take each half's tensors, strides and sizes as
-one named tuple (`DecodeAttentionArgs`, `StateUpdateArgs`: Triton passes a named tuple as one argument whose fields
-the kernel reads by name, compiled exactly as separate arguments), so the SSM step reaches `ssm_state_update` from
-either kernel as one argument.
+Its SSM programs run the selective scan's decode step, `ssm_state_update` of modeling/ops/selective_scan/decode.py
+(the body of the standalone `selective_state_update` too); its attention is built from the steps of
+../attention_tile.py, as the paged window attention is. The kernel takes each half's tensors, strides and sizes as one
+named tuple (`DecodeAttentionArgs` here, `StateUpdateArgs` from decode.py: Triton passes a named tuple as one argument
+whose fields the kernel reads by name, compiled exactly as separate arguments), so the SSM half reaches
+`ssm_state_update` as one argument.
 
 Grid of `_hybrid_decode_kernel` (1-D, sized from shapes and host ints only, so it is CUDA-graph safe):
 
@@ -37,40 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from modeling.ops.triton_utils import softplus
+from modeling.ops.selective_scan.decode import ssm_state_update
 
 from ..attention_tile import attend_key_tile, merge_partial
-
-
-class StateUpdateArgs(NamedTuple):
-    """What `ssm_state_update` reads and writes, for B decoding requests (shapes and meanings in reference.py's
-    `selective_state_update_ref`)."""
-
-    ssm_state: torch.Tensor  # [slots, E, N], updated in place
-    s_state_slot: int
-    s_state_e: int
-    s_state_n: int
-    state_indices: torch.Tensor  # [B]
-    has_initial_state: torch.Tensor  # [B] bool; state_indices stands in (never read) without HAS_INITIAL_FLAGS
-    # A row per request, the last dimension contiguous; s_x is the row stride of x.
-    u: torch.Tensor  # [B, E]
-    dt: torch.Tensor  # [B, E]
-    z: torch.Tensor  # [B, E]
-    B: torch.Tensor  # [B, N]
-    C: torch.Tensor  # [B, N]
-    out: torch.Tensor  # [B, E]
-    s_u: int
-    s_dt: int
-    s_z: int
-    s_B: int
-    s_C: int
-    s_out: int
-    # Per channel.
-    A: torch.Tensor  # [E, N] fp32, contiguous
-    D: torch.Tensor  # [E], contiguous
-    dt_bias: torch.Tensor  # [E], contiguous
-    E: int
-    N: int
 
 
 class DecodeAttentionArgs(NamedTuple):
@@ -103,51 +72,6 @@ class DecodeAttentionArgs(NamedTuple):
     window: int  # W, or NO_WINDOW
     KVH: int
     G: int
-
-
-@triton.jit
-def ssm_state_update(
-    ssm, i_req, i_eblk, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr
-):
-    """One SSM step of request `i_req` for channels [i_eblk * BLOCK_E, (i_eblk + 1) * BLOCK_E) (`ssm`: a
-    StateUpdateArgs; BLOCK_N >= N, the state size): the body of `selective_state_update` and of the SSM programs of
-    `hybrid_decode`. Padding rows (slot < 0) touch no state and write zeros; a row whose has_initial_state flag is
-    False starts from a zero state (its request's first token), whatever its slot holds."""
-    o_e = i_eblk * BLOCK_E + tl.arange(0, BLOCK_E)
-    o_n = tl.arange(0, BLOCK_N)
-    m_e, m_n = o_e < ssm.E, o_n < ssm.N
-    m_en = m_e[:, None] & m_n[None, :]
-
-    slot = tl.load(ssm.state_indices + i_req).to(tl.int64)
-    is_real = slot >= 0
-    continues = is_real
-    if HAS_INITIAL_FLAGS:
-        continues = continues & (tl.load(ssm.has_initial_state + i_req) != 0)
-    p_slot = ssm.ssm_state + slot * ssm.s_state_slot + o_e[:, None] * ssm.s_state_e + o_n[None, :] * ssm.s_state_n
-    b_state = tl.load(p_slot, mask=m_en & continues, other=0.0).to(tl.float32)
-
-    b_u = tl.load(ssm.u + i_req * ssm.s_u + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_dt = tl.load(ssm.dt + i_req * ssm.s_dt + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_z = tl.load(ssm.z + i_req * ssm.s_z + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_B = tl.load(ssm.B + i_req * ssm.s_B + o_n, mask=m_n, other=0.0).to(tl.float32)
-    b_C = tl.load(ssm.C + i_req * ssm.s_C + o_n, mask=m_n, other=0.0).to(tl.float32)
-    b_A = tl.load(ssm.A + o_e[:, None] * ssm.N + o_n[None, :], mask=m_en, other=0.0)
-    b_D = tl.load(ssm.D + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_dt_bias = tl.load(ssm.dt_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
-
-    b_dt = softplus(b_dt + b_dt_bias)
-    b_state = tl.exp(b_dt[:, None] * b_A) * b_state + (b_dt * b_u)[:, None] * b_B[None, :]
-    b_y = tl.sum(b_state * b_C[None, :], axis=1) + b_D * b_u
-    b_y = b_y * b_z * tl.sigmoid(b_z)
-
-    tl.store(p_slot, b_state.to(ssm.ssm_state.dtype.element_ty), mask=m_en & is_real)
-    tl.store(ssm.out + i_req * ssm.s_out + o_e, tl.where(is_real, b_y, 0.0).to(ssm.out.dtype.element_ty), mask=m_e)
-
-
-@triton.jit
-def _selective_state_update_kernel(ssm, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr):
-    """Kernel of `selective_state_update`. Grid (B, cdiv(E, BLOCK_E))."""
-    ssm_state_update(ssm, tl.program_id(0), tl.program_id(1), BLOCK_E, BLOCK_N, HAS_INITIAL_FLAGS)
 
 
 # One compilation for every batch size and split count: the split count only picks SPLIT_K (split or not).

@@ -1,5 +1,7 @@
-"""Decode step of the hybrid layer: plain-PyTorch references of the decode kernels (`selective_state_update` and
-`hybrid_decode` in interface.py, same signatures; tests in tests/vllm_ops/test_hybrid_decode.py).
+"""Decode step of the hybrid layer: plain-PyTorch references of the fused decode kernel (`hybrid_decode` in
+interface.py, same signature) and of its attention half (`window_attention_decode_ref`); its SSM half is the selective
+scan's decode step, `selective_state_update_ref` (modeling/ops/selective_scan/reference.py). Tests in
+tests/vllm_ops/test_hybrid_decode.py.
 
 Glossary of dimension letters (as in ../paged_attention/reference.py):
     B    decoding requests in the batch (one new token each). `B`, `C` and `D` the tensors are the SSM's projections
@@ -16,7 +18,8 @@ Two jobs per decoding request i, both reading one cache and writing one output:
                  when the window is None), looked up through the block table: key s of request i lives at
                  key_cache[block_table[i, s // P], s % P]. A request with seq_lens[i] == 0 (CUDA-graph padding) gets
                  zeros.
-    SSM update   one step of DESIGN.md's recurrence from the request's state slot, in fp32, written back in place:
+    SSM update   (`selective_state_update_ref`) one step of DESIGN.md's recurrence from the request's state slot,
+                 in fp32, written back in place:
                  dt = softplus(dt_raw + dt_bias); state = exp(dt * A) * state + dt * u * B; y = state @ C + D * u;
                  out = y * silu(z). A slot index of -1 (padding) leaves every slot alone and writes zeros. A row
                  whose has_initial_state flag is False starts from a zero state (a request's first token). (vLLM
@@ -25,63 +28,10 @@ Two jobs per decoding request i, both reading one cache and writing one output:
 """
 
 import torch
-import torch.nn.functional as F
 
-from modeling.ops.selective_scan import selective_scan_ref
+from modeling.ops.selective_scan import selective_state_update_ref
 
 from ..paged_attention.reference import paged_window_attention_ref
-
-
-def selective_state_update_ref(
-    ssm_state: torch.Tensor,
-    u: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    z: torch.Tensor,
-    dt_bias: torch.Tensor,
-    state_indices: torch.Tensor,
-    out: torch.Tensor,
-    *,
-    has_initial_state: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One selective-scan step per decoding request, reading and writing its state slot. Reference of
-    `selective_state_update` (interface.py, same signature).
-
-    Args:
-        ssm_state: [slots, E, N] state cache (fp32, bf16 or fp16), updated in place for the slots in `state_indices`.
-        u:  [B, E] conv output (after silu).
-        dt: [B, E] raw `dt_proj` output WITHOUT its bias: the step is `softplus(dt + dt_bias)`, in fp32.
-        A:  [E, N] fp32 negative decay rates.   B, C: [B, N] projections of the state.
-        D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
-        state_indices: [B] int32/int64 slot of each request; -1 marks a padding row.
-        out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
-        has_initial_state: [B] bool; False: the request's first token, which starts from a zero state whatever its
-            slot holds (the slot is written as usual). None: every request continues from its slot.
-    """
-    valid = state_indices >= 0  # [B]
-    slots = state_indices[valid].long()  # [B']
-    initial_state = ssm_state[slots].float()
-    if has_initial_state is not None:
-        initial_state[~has_initial_state[valid]] = 0.0
-    step = F.softplus(dt[valid].float() + dt_bias.float())  # [B', E]
-    # A decode is a scan of length one: [B', E] -> [B', 1, E] (and [B', N] -> [B', 1, N]).
-    y, state = selective_scan_ref(
-        u[valid, None],
-        step[:, None],
-        A,
-        B[valid, None],
-        C[valid, None],
-        D,
-        z[valid, None],
-        initial_state=initial_state,
-    )
-    out.zero_()
-    out[valid] = y[:, 0].to(out.dtype)
-    ssm_state[slots] = state.to(ssm_state.dtype)
-    return out
 
 
 def window_attention_decode_ref(
