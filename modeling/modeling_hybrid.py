@@ -7,6 +7,7 @@ Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, 
 import importlib.util
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration import HybridConfig
 
-from .ops import causal_conv1d_ref, selective_scan_ref
+from .ops import causal_conv1d_ref, causal_conv1d_update_ref, selective_scan_ref, selective_state_update_ref
 
 
 logger = logging.get_logger(__name__)
@@ -54,9 +55,25 @@ logger = logging.get_logger(__name__)
 # The SSM branch's Triton kernels (causal conv1d and selective scan, forward and backward) run on CUDA tensors; Triton
 # ships with PyTorch's CUDA builds. Elsewhere, or with `config.use_ssm_kernels=False`, the PyTorch references run.
 is_fast_path_available = importlib.util.find_spec("triton") is not None
+
+
+class SSMOps(NamedTuple):
+    """The SSM branch's ops, all Triton kernels or all PyTorch references (same signatures): the conv and the scan
+    over sequences, and the one-token decode step of each, in place on the cached history and state."""
+
+    causal_conv1d: Callable
+    selective_scan: Callable
+    conv_update: Callable
+    state_update: Callable
+
+
+REFERENCE_OPS = SSMOps(causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref, selective_state_update_ref)
+KERNEL_OPS = None
 if is_fast_path_available:
-    from .ops.causal_conv1d.interface import causal_conv1d_fn
-    from .ops.selective_scan.interface import selective_scan_fn
+    from .ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
+    from .ops.selective_scan.interface import selective_scan_fn, selective_state_update
+
+    KERNEL_OPS = SSMOps(causal_conv1d_fn, selective_scan_fn, causal_conv1d_update, selective_state_update)
 
 
 class HybridCache(DynamicCache):
@@ -140,7 +157,7 @@ class HybridSSM(nn.Module):
     ) -> torch.Tensor:
         """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`);
         seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one sequence per row)."""
-        causal_conv1d, selective_scan = self._ops_for(hidden_states)
+        ops = self._ops_for(hidden_states)
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
 
         # 1. Input projection: xs feeds the conv and the scan, z gates the output. Padding is zeroed so that the conv
@@ -149,9 +166,13 @@ class HybridSSM(nn.Module):
         if padding_mask is not None:
             xs = xs * padding_mask[..., None].to(xs.dtype)
 
+        layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
+        if layer_cache is not None and xs.shape[1] == 1 and seq_idx is None and not layer_cache.record_past:
+            return self.out_proj(self._decode_step(xs[:, 0], z[:, 0], layer_cache, padding_mask, ops)[:, None])
+
         # 2. Causal depthwise conv (silu fused), continuing from the cached last K-1 inputs.
-        conv_history = past_key_values.layers[self.layer_idx].conv_states[0] if has_history else None  # [B, E, K-1]
-        u = causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)  # [B, T, E]
+        conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E, K-1]
+        u = ops.causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)
         if past_key_values is not None:
             # Updates the cached history in place: only after the conv has read it.
             past_key_values.update_conv_state(
@@ -167,23 +188,39 @@ class HybridSSM(nn.Module):
 
         # 4. Selective scan in fp32 from the cached state; packed sequences each start from zero.
         A = -torch.exp(self.A_log.float())  # [E, N]
-        initial_state = past_key_values.layers[self.layer_idx].recurrent_states[0] if has_history else None
-        y, final_state = selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx)
+        initial_state = layer_cache.recurrent_states[0] if has_history else None
+        y, final_state = ops.selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 
         return self.out_proj(y)
 
-    def _ops_for(self, hidden_states: torch.Tensor) -> tuple[Callable, Callable]:
-        """(causal conv1d, selective scan): the Triton kernels for CUDA tensors, else the PyTorch references."""
+    def _decode_step(self, xs, z, layer_cache, padding_mask, ops: SSMOps) -> torch.Tensor:
+        """Steps 2-4 for one new token per row, xs and z [B, E]: the decode ops update the cached conv history and
+        state in place (the scan's recurrence at T = 1 without its chunk machinery; no host sync). A padding token
+        (padding_mask 0) does what it does in the scan: its zeroed xs enters the history, the state stays as it was
+        (the update's padding slot, -1; its output, zeros, is nobody's). Returns y [B, E]."""
+        rows = torch.arange(xs.shape[0], device=xs.device, dtype=torch.int32)  # row i owns cache row i
+        u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, layer_cache.conv_states[0], rows, "silu")
+        dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
+        dt = F.linear(dt_low, self.dt_proj.weight)  # raw: the update adds dt_proj's bias, then softplus, in fp32
+        A = -torch.exp(self.A_log.float())
+        if padding_mask is not None:
+            rows = torch.where(padding_mask[:, -1].bool(), rows, -1)
+        y = torch.empty_like(u)
+        ops.state_update(layer_cache.recurrent_states[0], u, dt, A, B, C, self.D, z, self.dt_proj.bias, rows, y)
+        return y
+
+    def _ops_for(self, hidden_states: torch.Tensor) -> SSMOps:
+        """The Triton kernels for CUDA tensors, else the PyTorch references."""
         if hidden_states.is_cuda and self.use_kernels:
             if is_fast_path_available:
-                return causal_conv1d_fn, selective_scan_fn
+                return KERNEL_OPS
             logger.warning_once(
                 "The SSM branch runs its slow PyTorch reference on CUDA because Triton is not installed "
                 "(`pip install triton`); set `config.use_ssm_kernels=False` to silence this."
             )
-        return causal_conv1d_ref, selective_scan_ref
+        return REFERENCE_OPS
 
 
 class HybridAttention(nn.Module):

@@ -181,6 +181,26 @@ def test_padding_never_enters_the_ssm_state(make_model):
             torch.testing.assert_close(cache.layers[layer_idx].conv_states[0], alone.layers[layer_idx].conv_states[0])
 
 
+def test_a_padding_decode_step_does_what_the_scan_does_with_padding(make_model):
+    """A one-token step whose token is padding (the decode ops) leaves the caches as the scan path leaves them for
+    the same padded token inside a longer forward: its zeroed input enters the conv history, the state is
+    unchanged; and the next real token then gives the same logits."""
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[1, 12] = 0  # row 1's token 12 is padding; row 0 decodes as usual
+    stepped, one_pass = HybridCache(model.config), HybridCache(model.config)
+    with torch.no_grad():
+        model(ids[:, :12], attention_mask=mask[:, :12], past_key_values=stepped, use_cache=True)
+        for t in (12, 13):  # two decode steps (the decode ops), the first one padding in row 1
+            last = model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=stepped, use_cache=True)
+        reference = model(ids, attention_mask=mask, past_key_values=one_pass, use_cache=True)
+    torch.testing.assert_close(last.logits[:, -1], reference.logits[:, -1], atol=ATOL, rtol=1e-4)
+    for a, b in zip(stepped.layers, one_pass.layers):
+        torch.testing.assert_close(a.conv_states[0], b.conv_states[0], atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize(
     "generate_kwargs",
     [

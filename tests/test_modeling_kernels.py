@@ -19,8 +19,7 @@ def kernels_on_cpu(monkeypatch):
     """Hands the Triton kernels (interpreted on CPU) to every SSM branch whose config allows them."""
     if ON_GPU:
         return
-    kernels = (modeling_hybrid.causal_conv1d_fn, modeling_hybrid.selective_scan_fn)
-    references = (modeling_hybrid.causal_conv1d_ref, modeling_hybrid.selective_scan_ref)
+    kernels, references = modeling_hybrid.KERNEL_OPS, modeling_hybrid.REFERENCE_OPS
     monkeypatch.setattr(HybridSSM, "_ops_for", lambda self, hidden: kernels if self.use_kernels else references)
 
 
@@ -32,13 +31,13 @@ def kernel_and_reference_models(make_model, dtype=torch.float32, **overrides):
 
 
 def test_model_picks_kernels_for_cuda_tensors_unless_told_not_to(make_model):
-    references = (modeling_hybrid.causal_conv1d_ref, modeling_hybrid.selective_scan_ref)
+    references = modeling_hybrid.REFERENCE_OPS
     ssm = make_model().model.layers[0].self_attn.ssm
     assert ssm._ops_for(torch.randn(1, 3, 48)) == references, "CPU tensors take the reference path"
     if ON_GPU:
         ssm = ssm.cuda()
         hidden = torch.randn(1, 3, 48, device="cuda")
-        assert ssm._ops_for(hidden) == (modeling_hybrid.causal_conv1d_fn, modeling_hybrid.selective_scan_fn)
+        assert ssm._ops_for(hidden) == modeling_hybrid.KERNEL_OPS
         ssm_reference = make_model(use_ssm_kernels=False).model.layers[0].self_attn.ssm.cuda()
         assert ssm_reference._ops_for(hidden) == references
 
