@@ -210,6 +210,7 @@ def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
         environment={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine in the process that reads its caches
     )
     assert result["state_dtypes"] == [["torch.float32", "torch.bfloat16"]] * model.config.num_hidden_layers
+    assert result["kv_element_bytes"] == [4] * model.config.num_hidden_layers  # the KV cache keeps the model's fp32
     assert_follows_hf(model, prompts, result["outputs"])
 
 

@@ -53,17 +53,15 @@ def run(spec: dict) -> dict:
             lambda model: [[str(t.dtype) for t in m.kv_cache] for n, m in model.named_modules() if n.endswith(".ssm")]
         )
         # The KV cache as the attention impl reads it (fp8 caches are allocated as bytes and viewed as fp8).
-        ((result["kv_dtypes"], result["kv_element_bytes"]),) = llm.apply_model(
-            lambda model: tuple(
-                zip(
-                    *[
-                        (m.kv_cache_dtype, m.kv_cache.element_size())
-                        for n, m in model.named_modules()
-                        if n.endswith(".attn") and hasattr(m, "kv_cache_dtype")
-                    ]
-                )
-            )
+        (kv_caches,) = llm.apply_model(
+            lambda model: [
+                (m.kv_cache_dtype, m.kv_cache.element_size())
+                for n, m in model.named_modules()
+                if n.endswith(".attn") and hasattr(m, "kv_cache_dtype")
+            ]
         )
+        result["kv_dtypes"] = [dtype for dtype, _ in kv_caches]
+        result["kv_element_bytes"] = [element_bytes for _, element_bytes in kv_caches]
     counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
     result["preemptions"] = counters.get("vllm:num_preemptions", 0)
     return result
