@@ -1,0 +1,163 @@
+"""Transformers `generate()` of the hybrid against `MistralForCausalLM` (the sliding-window model it extends) of the
+same shapes: random weights, greedy, the batch prefilled and then decoded token by token, as a user's script would.
+
+    python scripts/bench_generate.py --json $OUT/generate.json        # batch 8, 2048-token prompts, 128 new, bf16
+    python scripts/bench_generate.py --profile                        # also each model's top kernels and host syncs
+    python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
+
+Per model: the median over `--repeats` runs (after one warm-up) of the whole `generate()` and of the prefill alone
+(`max_new_tokens=1`); new tok/s = batch x new tokens / whole time, and the decode step = (whole - prefill) / (new - 1).
+The shapes are those of the serving benchmark (vllm_integration/serving_benchmark). Results: BENCHMARKS.md.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from modeling import HybridForCausalLM  # noqa: E402
+from modeling.provenance import head_commit  # noqa: E402
+from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config  # noqa: E402
+from vllm_integration.serving_benchmark.driver import FULL, SMOKE  # noqa: E402
+
+# Runtime calls after which the host waits for the GPU (`.item()`, `.tolist()`, a host-side copy, a sync).
+HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def build_models(shape: dict, max_len: int, device: str, dtype: torch.dtype) -> dict:
+    from transformers import MistralForCausalLM
+
+    torch.manual_seed(0)
+    hybrid = hybrid_config(shape, max_len)
+    with torch.device(device):
+        models = {
+            "hybrid": HybridForCausalLM(hybrid),
+            "swa": MistralForCausalLM(baseline_config("swa", hybrid)),
+        }
+    return {name: model.to(dtype).eval() for name, model in models.items()}
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_generate(model, input_ids, new_tokens: int, device: str) -> tuple[float, torch.Tensor]:
+    """Seconds for one greedy `generate()` of exactly `new_tokens` tokens per row, and its output."""
+    mask = torch.ones_like(input_ids)
+    synchronize(device)
+    start = time.perf_counter()
+    output = model.generate(
+        input_ids,
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=0,
+    )
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if output.shape != (input_ids.shape[0], input_ids.shape[1] + new_tokens):
+        raise RuntimeError(f"generate() returned {tuple(output.shape)}, expected {new_tokens} new tokens per row")
+    return seconds, output
+
+
+def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str) -> tuple[float, str]:
+    """Host syncs per new token, and the top kernels, of one `generate()` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        timed_generate(model, input_ids, new_tokens, device)
+    events = prof.key_averages()
+    syncs = sum(event.count for event in events if event.key in HOST_SYNC_EVENTS)
+    sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return syncs / new_tokens, events.table(sort_by=sort_by, row_limit=20)
+
+
+def measure(model, args, device: str) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator)
+    input_ids = input_ids.to(device)
+    with torch.inference_mode():
+        timed_generate(model, input_ids, args.new_tokens, device)  # warm-up: kernels compiled, allocator grown
+        whole = [timed_generate(model, input_ids, args.new_tokens, device)[0] for _ in range(args.repeats)]
+        prefill = [timed_generate(model, input_ids, 1, device)[0] for _ in range(args.repeats)]
+        result = {
+            "whole_s": statistics.median(whole),
+            "prefill_s": statistics.median(prefill),
+            "whole_runs_s": whole,
+            "prefill_runs_s": prefill,
+        }
+        result["new_tok_per_s"] = args.batch * args.new_tokens / result["whole_s"]
+        result["decode_step_ms"] = 1e3 * (result["whole_s"] - result["prefill_s"]) / (args.new_tokens - 1)
+        if args.profile:
+            result["host_syncs_per_token"], result["top_kernels"] = host_syncs_and_kernels(
+                model, input_ids, args.new_tokens, device
+            )
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also each model's top kernels and host syncs")
+    parser.add_argument("--smoke", action="store_true", help="tiny models and lengths, on CPU in fp32")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2: the decode step is timed from the tokens after the first")
+    if args.smoke:
+        device, dtype, shape = "cpu", torch.float32, SMOKE
+        args.batch, args.prompt_len, args.new_tokens = min(args.batch, 2), min(args.prompt_len, 40), 4
+    elif torch.cuda.is_available():
+        device, dtype, shape = "cuda", torch.bfloat16, FULL
+    else:
+        parser.error("the full benchmark needs a CUDA GPU (--smoke runs tiny models on CPU)")
+
+    models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype)
+    results = {}
+    for name, model in models.items():
+        results[name] = measure(model, args, device)
+        row = results[name]
+        print(
+            f"{name:7s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
+            f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms",
+            flush=True,
+        )
+        if args.profile:
+            print(f"host syncs per new token: {row['host_syncs_per_token']:.2f}\n{row['top_kernels']}", flush=True)
+    ratio = results["hybrid"]["new_tok_per_s"] / results["swa"]["new_tok_per_s"]
+    print(f"hybrid / swa new tok/s: {ratio:.3f}x")
+
+    if args.json:
+        meta = {
+            "commit": args.commit or head_commit(),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "settings": {
+                "batch": args.batch,
+                "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,
+                "dtype": str(dtype),
+                "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
+                "attn_implementation": models["hybrid"].config._attn_implementation,
+            },
+        }
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "hybrid_over_swa": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
