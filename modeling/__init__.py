@@ -20,6 +20,7 @@ from .modeling_hybrid import (
     HybridForTokenClassification,
     HybridModel,
     HybridPreTrainedModel,
+    HybridStaticCache,
 )
 
 AutoModel.register(HybridConfig, HybridModel, exist_ok=True)
@@ -37,4 +38,5 @@ __all__ = [
     "HybridForTokenClassification",
     "HybridModel",
     "HybridPreTrainedModel",
+    "HybridStaticCache",
 ]

@@ -19,6 +19,9 @@ from transformers.cache_utils import (
     DynamicCache,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    StaticCache,
 )
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
@@ -92,6 +95,28 @@ class HybridCache(DynamicCache):
             for layer_type in config.layer_types
         ]
         Cache.__init__(self, layers=layers)
+
+
+class HybridStaticCache(StaticCache):
+    """`HybridCache` with preallocated buffers, for `torch.compile` and CUDA graphs
+    (`generate(cache_implementation="static")`): per layer, Transformers' static hybrid layer, the attention KV in a
+    `[B, KVH, L, D]` buffer (L = `max_cache_len`, or the window for a sliding layer) and the same SSM states, all
+    updated in place at fixed addresses.
+
+    `StaticCache(config=...)` would build attention-only layers from `layer_types`, so the model builds this one.
+    """
+
+    def __init__(self, config: HybridConfig, max_cache_len: int, **kwargs):
+        layers = [
+            LinearAttentionAndStaticSlidingWindowAttentionLayer(max_cache_len, config.sliding_window)
+            if layer_type == "sliding_attention"
+            else LinearAttentionAndStaticFullAttentionLayer(max_cache_len)
+            for layer_type in config.layer_types
+        ]
+        Cache.__init__(self, layers=layers)
+
+
+HYBRID_CACHES = (HybridCache, HybridStaticCache)
 
 
 class HybridRMSNorm(LlamaRMSNorm):
@@ -337,8 +362,10 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
-    # The SSM state cannot be rolled back, and no static cache holds it.
+    # The SSM state cannot be rolled back: no assisted generation, no cache cropping.
     _is_stateful = True
+    # A decode step on the kernels compiles to one graph (HybridStaticCache); the references and the training
+    # kernels' autograd functions do not.
     _can_compile_fullgraph = False
     _can_record_outputs = {
         "hidden_states": HybridDecoderLayer,
@@ -379,7 +406,7 @@ def packed_sequence_index(
     seq_len: int,
     position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
-    past_seen_tokens: int,
+    reads_cache: bool,
     seq_idx: torch.Tensor | None,
     flash_kwargs: dict,
 ) -> torch.Tensor | None:
@@ -387,8 +414,8 @@ def packed_sequence_index(
     `DataCollatorWithFlattening`), else None. The SSM branch restarts its state and conv history where it changes,
     as the attention does at the same boundaries. Taken from, in order: the collator's `seq_idx`; flash-attention's
     `cu_seq_lens_q` (offsets into the flattened batch); `position_ids` that restart (Transformers' rule for its
-    masks: a new sequence wherever a position is not its predecessor's plus one), on a first forward without a padding
-    mask."""
+    masks: a new sequence wherever a position is not its predecessor's plus one), on a forward that reads no cache and
+    has no padding mask."""
     if seq_idx is not None:
         if tuple(seq_idx.shape) != (batch_size, seq_len) or seq_idx.is_floating_point():
             raise ValueError(
@@ -402,9 +429,48 @@ def packed_sequence_index(
             raise ValueError(f"cu_seq_lens_q must be [num_sequences + 1] offsets, got {tuple(cu_seq_lens.shape)}")
         tokens = torch.arange(batch_size * seq_len, device=cu_seq_lens.device, dtype=cu_seq_lens.dtype)
         return torch.searchsorted(cu_seq_lens[1:].contiguous(), tokens, right=True).view(batch_size, seq_len)
-    if position_ids is None or attention_mask is not None or past_seen_tokens:
+    if position_ids is None or attention_mask is not None or reads_cache:
         return None
     return find_packed_sequence_indices(position_ids.expand(batch_size, -1))
+
+
+def reads_cache(past_key_values: Cache | None) -> bool:
+    """Whether this forward's attention reads keys from the cache. A static cache always does, as buffers of its own
+    size, so it sizes the masks even while empty (and is tested first, so that its length, a tensor, is never read
+    on the host); a dynamic one once it holds tokens."""
+    return past_key_values is not None and (past_key_values.is_compileable or past_key_values.get_seq_length() > 0)
+
+
+def hybrid_masks(
+    config: HybridConfig,
+    inputs_embeds: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> dict:
+    """The masks of one forward: the attention's, by layer type, and under "ssm" the padding of its tokens [B, T] (1
+    for real tokens) that the SSM branch zeroes, or None without a 2D mask (a 4D one carries no padding it can use).
+    The padding is taken whatever the mask holds (multiplying by an all-ones mask is exact): no branch on its values,
+    so the model exports with a mask. generate() builds these once per step outside a compiled forward
+    (`create_masks_for_generate`), so that the growing 2D mask never enters the graph."""
+    mask_kwargs = {
+        "config": config,
+        "inputs_embeds": inputs_embeds,
+        "attention_mask": attention_mask,
+        # An empty dynamic cache sizes the masks as no cache does; passing none lets the masks find packed sequences
+        # in `position_ids` (which they skip whenever a cache is given) on a first forward.
+        "past_key_values": past_key_values if reads_cache(past_key_values) else None,
+        "position_ids": position_ids,
+    }
+    masks = {}
+    if "full_attention" in config.layer_types:
+        masks["full_attention"] = create_causal_mask(**mask_kwargs)
+    if "sliding_attention" in config.layer_types:
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+    has_padding = attention_mask is not None and attention_mask.ndim == 2
+    masks["ssm"] = attention_mask[:, -inputs_embeds.shape[1] :].contiguous() if has_padding else None
+    return masks
 
 
 class HybridModel(HybridPreTrainedModel):
@@ -446,43 +512,36 @@ class HybridModel(HybridPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and past_key_values is None:
             past_key_values = HybridCache(self.config)
-        if past_key_values is not None and self.config.use_ssm_branch and not isinstance(past_key_values, HybridCache):
+        if (
+            past_key_values is not None
+            and self.config.use_ssm_branch
+            and not isinstance(past_key_values, HYBRID_CACHES)
+        ):
             raise ValueError(
-                "past_key_values must be a HybridCache (it holds the SSM states), "
+                "past_key_values must be a HybridCache or a HybridStaticCache (they hold the SSM states), "
                 f"got {type(past_key_values).__name__}"
             )
 
         batch_size, seq_len = inputs_embeds.shape[:2]
         past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
         seq_idx = packed_sequence_index(
-            batch_size, seq_len, position_ids, attention_mask, past_seen_tokens, kwargs.pop("seq_idx", None), kwargs
+            batch_size,
+            seq_len,
+            position_ids,
+            attention_mask,
+            reads_cache(past_key_values),
+            kwargs.pop("seq_idx", None),
+            kwargs,
         )
         if position_ids is None:
             position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
 
-        # The SSM branch needs the padding of the current tokens only; a 4D mask carries no padding it can use. Taken
-        # whatever the mask holds (multiplying by an all-ones mask is exact): no branch on its values, so the model
-        # exports with a mask.
-        padding_mask = (
-            attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.ndim == 2 else None
-        )
-
         if not isinstance(causal_mask_mapping := attention_mask, dict):
-            mask_kwargs = {
-                "config": self.config,
-                "inputs_embeds": inputs_embeds,
-                "attention_mask": attention_mask,
-                # An empty cache sizes the masks as no cache does; passing none lets the masks find packed sequences
-                # in `position_ids` (which they skip whenever a cache is given) on a first forward with use_cache.
-                "past_key_values": past_key_values if past_seen_tokens else None,
-                "position_ids": position_ids,
-            }
-            causal_mask_mapping = {}
-            if "full_attention" in self.config.layer_types:
-                causal_mask_mapping["full_attention"] = create_causal_mask(**mask_kwargs)
-            if "sliding_attention" in self.config.layer_types:
-                causal_mask_mapping["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+            causal_mask_mapping = hybrid_masks(
+                self.config, inputs_embeds, attention_mask, past_key_values, position_ids
+            )
+        padding_mask = causal_mask_mapping.get("ssm")
 
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -516,17 +575,31 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        # generate() would build a DynamicCache from `layer_types`, with no room for the SSM states: give it ours.
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            if generation_config.cache_implementation not in (None, "dynamic"):
-                raise ValueError(
-                    f"HybridForCausalLM generates with its HybridCache only; cache_implementation="
-                    f"{generation_config.cache_implementation!r} is not supported"
-                )
-            model_kwargs["past_key_values"] = HybridCache(self.config)
+    # generate() builds the masks of a step outside the compiled forward when the cache is static.
+    create_masks_for_generate = staticmethod(hybrid_masks)
+
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ) -> None:
+        # generate() would build its caches from `layer_types`, with no room for the SSM states: give it ours.
+        if model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False:
+            super()._prepare_cache_for_generation(
+                generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+            )
             return
-        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        implementation = generation_config.cache_implementation
+        if implementation in (None, "dynamic"):
+            model_kwargs["past_key_values"] = HybridCache(self.config)
+        elif implementation == "static":
+            # As generate() sizes a StaticCache: room for this call, or more if `max_cache_len` asks for it (a later,
+            # longer call then reuses the compiled step).
+            max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
+            model_kwargs["past_key_values"] = HybridStaticCache(self.config, max_cache_len)
+        else:
+            raise ValueError(
+                "HybridForCausalLM generates with its HybridCache (cache_implementation None or 'dynamic') or its "
+                f"HybridStaticCache ('static'); cache_implementation={implementation!r} is not supported"
+            )
 
     @can_return_tuple
     def forward(
@@ -596,4 +669,5 @@ __all__ = [
     "HybridForTokenClassification",
     "HybridModel",
     "HybridPreTrainedModel",
+    "HybridStaticCache",
 ]

@@ -3,9 +3,11 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
 
     python scripts/bench_generate.py --json $OUT/generate.json        # batch 8, 2048-token prompts, 128 new, bf16
     python scripts/bench_generate.py --profile                        # also each model's top kernels and host syncs
+    python scripts/bench_generate.py --caches dynamic,static          # also the static cache (compiled decode step)
     python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
 
-Per model: the median over `--repeats` runs (after one warm-up) of the whole `generate()` and of the prefill alone
+Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
+cache: `generate()` does so on CUDA with CUDA graphs) of the whole `generate()` and of the prefill alone
 (`max_new_tokens=1`); new tok/s = batch x new tokens / whole time, and the decode step = (whole - prefill) / (new - 1).
 The shapes are those of the serving benchmark (vllm_integration/serving_benchmark). Results: BENCHMARKS.md.
 """
@@ -35,11 +37,13 @@ def build_models(shape: dict, max_len: int, device: str, dtype: torch.dtype) -> 
 
     torch.manual_seed(0)
     hybrid = hybrid_config(shape, max_len)
+    # The serving baseline's config names every layer's type for vLLM; Transformers' Mistral slides every layer by
+    # `sliding_window` alone, and with `layer_types` set its forward cannot take the masks generate() builds for a
+    # static cache.
+    swa = baseline_config("swa", hybrid)
+    del swa.layer_types
     with torch.device(device):
-        models = {
-            "hybrid": HybridForCausalLM(hybrid),
-            "swa": MistralForCausalLM(baseline_config("swa", hybrid)),
-        }
+        models = {"hybrid": HybridForCausalLM(hybrid), "swa": MistralForCausalLM(swa)}
     return {name: model.to(dtype).eval() for name, model in models.items()}
 
 
@@ -48,8 +52,9 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(model, input_ids, new_tokens: int, device: str) -> tuple[float, torch.Tensor]:
-    """Seconds for one greedy `generate()` of exactly `new_tokens` tokens per row, and its output."""
+def timed_generate(model, input_ids, new_tokens: int, device: str, cache: str) -> tuple[float, torch.Tensor]:
+    """Seconds for one greedy `generate()` of exactly `new_tokens` tokens per row with the `cache` implementation,
+    and its output."""
     mask = torch.ones_like(input_ids)
     synchronize(device)
     start = time.perf_counter()
@@ -60,6 +65,7 @@ def timed_generate(model, input_ids, new_tokens: int, device: str) -> tuple[floa
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         pad_token_id=0,
+        cache_implementation=cache,
     )
     synchronize(device)
     seconds = time.perf_counter() - start
@@ -68,27 +74,28 @@ def timed_generate(model, input_ids, new_tokens: int, device: str) -> tuple[floa
     return seconds, output
 
 
-def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str) -> tuple[float, str]:
+def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str, cache: str) -> tuple[float, str]:
     """Host syncs per new token, and the top kernels, of one `generate()` under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
-        timed_generate(model, input_ids, new_tokens, device)
+        timed_generate(model, input_ids, new_tokens, device, cache)
     events = prof.key_averages()
     syncs = sum(event.count for event in events if event.key in HOST_SYNC_EVENTS)
     sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
     return syncs / new_tokens, events.table(sort_by=sort_by, row_limit=20)
 
 
-def measure(model, args, device: str) -> dict:
+def measure(model, args, device: str, cache: str) -> dict:
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator)
     input_ids = input_ids.to(device)
     with torch.inference_mode():
-        timed_generate(model, input_ids, args.new_tokens, device)  # warm-up: kernels compiled, allocator grown
-        whole = [timed_generate(model, input_ids, args.new_tokens, device)[0] for _ in range(args.repeats)]
-        prefill = [timed_generate(model, input_ids, 1, device)[0] for _ in range(args.repeats)]
+        # Warm-up: kernels (and a static cache's decode step) compiled, allocator grown.
+        timed_generate(model, input_ids, args.new_tokens, device, cache)
+        whole = [timed_generate(model, input_ids, args.new_tokens, device, cache)[0] for _ in range(args.repeats)]
+        prefill = [timed_generate(model, input_ids, 1, device, cache)[0] for _ in range(args.repeats)]
         result = {
             "whole_s": statistics.median(whole),
             "prefill_s": statistics.median(prefill),
@@ -99,7 +106,7 @@ def measure(model, args, device: str) -> dict:
         result["decode_step_ms"] = 1e3 * (result["whole_s"] - result["prefill_s"]) / (args.new_tokens - 1)
         if args.profile:
             result["host_syncs_per_token"], result["top_kernels"] = host_syncs_and_kernels(
-                model, input_ids, args.new_tokens, device
+                model, input_ids, args.new_tokens, device, cache
             )
     return result
 
@@ -110,11 +117,17 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--caches", default="dynamic", help="comma-separated cache implementations: dynamic, static (default dynamic)"
+    )
     parser.add_argument("--profile", action="store_true", help="also each model's top kernels and host syncs")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths, on CPU in fp32")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args(argv)
+    caches = args.caches.split(",")
+    if not set(caches) <= {"dynamic", "static"}:
+        parser.error(f"--caches: expected dynamic and/or static, got {args.caches!r}")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the decode step is timed from the tokens after the first")
     if args.smoke:
@@ -127,18 +140,19 @@ def main(argv=None) -> int:
 
     models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype)
     results = {}
-    for name, model in models.items():
-        results[name] = measure(model, args, device)
-        row = results[name]
-        print(
-            f"{name:7s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
-            f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms",
-            flush=True,
-        )
-        if args.profile:
-            print(f"host syncs per new token: {row['host_syncs_per_token']:.2f}\n{row['top_kernels']}", flush=True)
-    ratio = results["hybrid"]["new_tok_per_s"] / results["swa"]["new_tok_per_s"]
-    print(f"hybrid / swa new tok/s: {ratio:.3f}x")
+    for cache in caches:
+        for name, model in models.items():
+            row = results.setdefault(cache, {})[name] = measure(model, args, device, cache)
+            print(
+                f"{name:7s} {cache:8s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
+                f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms",
+                flush=True,
+            )
+            if args.profile:
+                print(f"host syncs per new token: {row['host_syncs_per_token']:.2f}\n{row['top_kernels']}", flush=True)
+    ratios = {cache: rows["hybrid"]["new_tok_per_s"] / rows["swa"]["new_tok_per_s"] for cache, rows in results.items()}
+    for cache, ratio in ratios.items():
+        print(f"hybrid / swa new tok/s, {cache} cache: {ratio:.3f}x")
 
     if args.json:
         meta = {
@@ -155,7 +169,7 @@ def main(argv=None) -> int:
                 "attn_implementation": models["hybrid"].config._attn_implementation,
             },
         }
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "hybrid_over_swa": ratio}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "hybrid_over_swa": ratios}, indent=1))
     return 0
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_config
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
-from modeling import HybridCache, HybridForCausalLM, HybridModel
+from modeling import HybridCache, HybridForCausalLM, HybridModel, HybridStaticCache
 from modeling.ops import selective_scan_ref
 
 ATOL = 2e-5
@@ -327,10 +327,55 @@ def test_fresh_model_equals_its_attention_only_control():
         torch.testing.assert_close(hybrid(ids).logits, control(ids).logits)
 
 
-def test_static_cache_is_refused_clearly(make_model):
+@pytest.mark.parametrize("lengths", [(4, 2), (19, 12)], ids=["inside-the-window", "beyond-the-window"])
+def test_static_cache_generates_what_the_dynamic_cache_generates(make_model, lengths):
+    """`cache_implementation="static"` (HybridStaticCache: window buffers of W slots and a full buffer sized for the
+    call) gives the HybridCache's tokens and scores, left padding included, whether the prompts fit in the window
+    (6) or not."""
     model = make_model()
-    with pytest.raises(ValueError, match="cache_implementation"):
-        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="static")
+    ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in lengths], model.config.pad_token_id)
+    kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True)
+    with torch.no_grad():
+        dynamic = model.generate(ids, return_dict_in_generate=True, **kwargs)
+        static = model.generate(ids, return_dict_in_generate=True, cache_implementation="static", **kwargs)
+    assert isinstance(static.past_key_values, HybridStaticCache)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.scores), torch.stack(dynamic.scores), atol=ATOL, rtol=1e-4)
+
+
+def test_static_cache_updates_in_place_and_follows_the_one_pass_forward(make_model):
+    """Step by step on a HybridStaticCache: every buffer (window KV, full KV, conv history, SSM state) keeps its
+    address from the prefill on, as CUDA graphs need, and each step's logits are those of one forward over the whole
+    sequence without a cache."""
+    model = make_model()
+    ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (9, 5)], model.config.pad_token_id)
+    steps = torch.randint(3, 97, (2, 8))
+    cache = HybridStaticCache(model.config, max_cache_len=ids.shape[1] + steps.shape[1])
+
+    def addresses():
+        return [
+            tensor.data_ptr()
+            for layer in cache.layers
+            for tensor in (layer.keys, layer.values, layer.conv_states[0], layer.recurrent_states[0])
+        ]
+
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        after_prefill = addresses()
+        for t in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            step = model(steps[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            full = torch.cat([ids, steps[:, : t + 1]], dim=1)
+            reference = model(full, attention_mask=mask)
+            torch.testing.assert_close(step.logits[:, -1], reference.logits[:, -1], atol=ATOL, rtol=1e-4)
+    assert addresses() == after_prefill
+
+
+@pytest.mark.parametrize("implementation", ["offloaded", "quantized", "sliding_window"])
+def test_other_cache_implementations_are_refused_by_name(make_model, implementation):
+    model = make_model()
+    with pytest.raises(ValueError, match=f"cache_implementation={implementation!r} is not supported"):
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation=implementation)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "flex_attention"])

@@ -5,7 +5,7 @@ only for CUDA tensors, so these tests hand them over explicitly); on a GPU, the 
 import pytest
 import torch
 
-from modeling import modeling_hybrid
+from modeling import HybridStaticCache, modeling_hybrid
 from modeling.modeling_hybrid import HybridSSM
 
 pytest.importorskip("triton")
@@ -71,6 +71,53 @@ def test_cached_generation_matches_the_reference_path(make_model, kernels_on_cpu
         ref = reference_model.generate(input_ids, **kwargs)
     assert torch.equal(out.sequences, ref.sequences)
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
+
+
+def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_on_cpu):
+    """A one-token step on a HybridStaticCache under `torch.compile(fullgraph=True)`, as `generate()` compiles it
+    (masks built outside the graph by `create_masks_for_generate`): the SSM's decode kernels enter the graph as their
+    custom ops, not as graph breaks, and the compiled step gives the eager step's logits and caches."""
+    model = make_model().to(DEVICE)
+    ids = torch.randint(3, 97, (2, 9), device=DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    next_ids = torch.randint(3, 97, (2, 1), device=DEVICE)
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    compiled_forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    results = []
+    for forward in (model.forward, compiled_forward):
+        cache = HybridStaticCache(model.config, max_cache_len=12)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            masks = model.create_masks_for_generate(
+                config=model.config,
+                inputs_embeds=torch.empty(2, 1, 0, device=DEVICE),
+                attention_mask=step_mask,
+                past_key_values=cache,
+            )
+            positions = torch.full((2, 1), ids.shape[1], device=DEVICE)
+            logits = forward(next_ids, attention_mask=masks, past_key_values=cache, position_ids=positions).logits
+        results.append((logits, [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers]))
+    (eager, eager_states), (compiled, compiled_states) = results
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    for (conv, state), (ref_conv, ref_state) in zip(compiled_states, eager_states):
+        torch.testing.assert_close(conv, ref_conv, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(state, ref_state, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="generate() compiles its decode step (CUDA graphs) on CUDA only")
+def test_compiled_static_generation_gives_the_dynamic_cache_tokens_on_gpu(make_model):
+    """`generate(cache_implementation="static")` on CUDA compiles the decode step (inductor, CUDA graphs) around the
+    kernels' custom ops; its tokens are the uncompiled dynamic cache's."""
+    model = make_model(hidden_size=256, ssm_intermediate_size=512, sliding_window=64).to(DEVICE)
+    input_ids = torch.randint(3, 97, (4, 100), device=DEVICE)
+    kwargs = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        dynamic = model.generate(input_ids, **kwargs)
+        static = model.generate(input_ids, cache_implementation="static", **kwargs)
+    assert isinstance(static.past_key_values, HybridStaticCache)
+    assert torch.equal(static.sequences, dynamic.sequences)
+    torch.testing.assert_close(torch.stack(static.logits), torch.stack(dynamic.logits), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 parity of the compiled kernels is checked on a GPU")

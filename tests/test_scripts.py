@@ -141,19 +141,26 @@ def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
 
 
 def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
-    """bench_generate.py --smoke on CPU: both models generate exactly the requested tokens in every timed run (the
-    script refuses a short output), and each rate is the workload over the median of those runs."""
+    """bench_generate.py --smoke on CPU, both caches: both models generate exactly the requested tokens in every timed
+    run (the script refuses a short output), and each rate is the workload over the median of those runs."""
     result = tmp_path / "generate.json"
     command = [sys.executable, str(REPO_ROOT / "scripts" / "bench_generate.py"), "--smoke", "--repeats", "2"]
     done = subprocess.run(
-        [*command, "--json", str(result)], cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False
+        [*command, "--caches", "dynamic,static", "--json", str(result)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     payload = json.loads(result.read_text())
     settings = payload["meta"]["settings"]
-    assert set(payload["results"]) == {"hybrid", "swa"}
-    for row in payload["results"].values():
-        assert len(row["whole_runs_s"]) == len(row["prefill_runs_s"]) == 2
-        assert row["new_tok_per_s"] == pytest.approx(settings["batch"] * settings["new_tokens"] / row["whole_s"])
-    hybrid, swa = (payload["results"][name]["new_tok_per_s"] for name in ("hybrid", "swa"))
-    assert payload["hybrid_over_swa"] == pytest.approx(hybrid / swa)
+    assert set(payload["results"]) == {"dynamic", "static"}
+    for cache, rows in payload["results"].items():
+        assert set(rows) == {"hybrid", "swa"}
+        for row in rows.values():
+            assert len(row["whole_runs_s"]) == len(row["prefill_runs_s"]) == 2
+            assert row["new_tok_per_s"] == pytest.approx(settings["batch"] * settings["new_tokens"] / row["whole_s"])
+        ratio = rows["hybrid"]["new_tok_per_s"] / rows["swa"]["new_tok_per_s"]
+        assert payload["hybrid_over_swa"][cache] == pytest.approx(ratio)

@@ -299,7 +299,27 @@ def causal_conv1d_update(
     None, conv_state [slots, E, K-1] any strides (updated in place), state_indices [R] int32 or int64 (-1 = padding
     row: output zeros, no state touched), has_initial_state [R] bool or None (False: a zero history). Returns out
     [R, E]. CUDA-graph safe: shape checks only, grid from shapes, no host sync. Slots of one call must be distinct
-    (vLLM gives each running request its own), except padding rows on vLLM's null block, whose results nobody reads."""
+    (vLLM gives each running request its own), except padding rows on vLLM's null block, whose results nobody reads.
+    Under torch.compile it is one opaque op (`torch.ops.hybrid_ssm.causal_conv1d_update`), so a compiled decode step
+    keeps it in its graph."""
+    out = _check_out(out, x)
+    update = torch.ops.hybrid_ssm.causal_conv1d_update if torch.compiler.is_compiling() else _causal_conv1d_update
+    update(x, weight, bias, conv_state, state_indices, activation, out, has_initial_state, block_e, num_warps)
+    return out
+
+
+def _causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_indices: torch.Tensor,
+    activation: str | None,
+    out: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    block_e: int | None,
+    num_warps: int | None,
+) -> None:
     check_activation(activation)
     if x.dim() != 2:
         raise ValueError(f"x must be [R, E], got {tuple(x.shape)}")
@@ -309,9 +329,8 @@ def causal_conv1d_update(
     check_index("state_indices", state_indices, (num_requests,), like=x)
     if has_initial_state is not None:
         check_flags("has_initial_state", has_initial_state, (num_requests,))
-    out = _check_out(out, x)
     if x.numel() == 0:
-        return out
+        return
     launch_causal_conv1d_update(
         x,
         weight,
@@ -324,4 +343,12 @@ def causal_conv1d_update(
         block_e=block_e or min(256, triton.next_power_of_2(num_channels)),
         num_warps=num_warps or 4,
     )
-    return out
+
+
+# Eager calls launch directly; a compiled graph calls the op, which dispatches to the same launch (its fake
+# writes nothing: the op only mutates its arguments).
+torch.library.custom_op(
+    "hybrid_ssm::causal_conv1d_update", _causal_conv1d_update, mutates_args=("conv_state", "out")
+).register_fake(
+    lambda x, weight, bias, conv_state, state_indices, activation, out, has_initial_state, block_e, num_warps: None
+)

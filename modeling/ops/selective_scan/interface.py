@@ -376,11 +376,33 @@ def selective_state_update(
     [B, N] (row-strided views allowed); A [E, N] fp32; D, dt_bias [E]; state_indices [B] int32/int64 (-1 = padding:
     no state touched, zeros written); out [B, E]; has_initial_state [B] bool or None (False: start from a zero
     state). `dt` is the raw dt_proj output, softplus(dt + dt_bias) is taken here. One launch, no host sync:
-    CUDA-graph safe. Returns `out`."""
+    CUDA-graph safe. Under torch.compile it is one opaque op (`torch.ops.hybrid_ssm.selective_state_update`), so a
+    compiled decode step keeps it in its graph. Returns `out`."""
+    update = torch.ops.hybrid_ssm.selective_state_update if torch.compiler.is_compiling() else _selective_state_update
+    update(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state, block_e, num_warps)
+    return out
+
+
+def _selective_state_update(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state_indices: torch.Tensor,
+    out: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    block_e: int | None,
+    num_warps: int,
+) -> None:
     ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state)
     block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
     if u.shape[0] == 0:  # an empty grid is not a valid launch
-        return out
+        return
     _selective_state_update_kernel[(u.shape[0], triton.cdiv(ssm.E, block_e))](
         ssm,
         BLOCK_E=block_e,
@@ -388,4 +410,12 @@ def selective_state_update(
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps,
     )
-    return out
+
+
+# Eager calls launch directly; a compiled graph calls the op, which dispatches to the same launch (its fake
+# writes nothing: the op only mutates its arguments).
+torch.library.custom_op(
+    "hybrid_ssm::selective_state_update", _selective_state_update, mutates_args=("ssm_state", "out")
+).register_fake(
+    lambda ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state, block_e, num_warps: None
+)
