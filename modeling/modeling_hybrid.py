@@ -98,15 +98,17 @@ class HybridCache(DynamicCache):
 
 
 class HybridStaticCache(StaticCache):
-    """`HybridCache` with preallocated buffers, for `torch.compile` and CUDA graphs
+    """`HybridCache` with buffers of fixed shapes, for `torch.compile` and CUDA graphs
     (`generate(cache_implementation="static")`): per layer, Transformers' static hybrid layer, the attention KV in a
-    `[B, KVH, L, D]` buffer (L = `max_cache_len`, or the window for a sliding layer) and the same SSM states, all
-    updated in place at fixed addresses.
+    `[B, KVH, L, D]` buffer (L = `max_cache_len`, or min(window, `max_cache_len`) for a sliding layer) and the same
+    SSM states. Each buffer is allocated at the first forward and then updated in place, at its address.
 
+    It holds at most `max_cache_len` tokens (prompt and new tokens): beyond that a full-attention layer fails to
+    index its buffer, and a sliding layer narrower than its window forgets tokens the window still covers.
     `StaticCache(config=...)` would build attention-only layers from `layer_types`, so the model builds this one.
     """
 
-    def __init__(self, config: HybridConfig, max_cache_len: int, **kwargs):
+    def __init__(self, config: HybridConfig, max_cache_len: int):
         layers = [
             LinearAttentionAndStaticSlidingWindowAttentionLayer(max_cache_len, config.sliding_window)
             if layer_type == "sliding_attention"
@@ -364,8 +366,8 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # The SSM state cannot be rolled back: no assisted generation, no cache cropping.
     _is_stateful = True
-    # A decode step on the kernels compiles to one graph (HybridStaticCache); the references and the training
-    # kernels' autograd functions do not.
+    # Not the whole model: only a decode step on the kernels traces as one graph (HybridStaticCache); the prefill's
+    # autograd functions and the references' Python loops break it.
     _can_compile_fullgraph = False
     _can_record_outputs = {
         "hidden_states": HybridDecoderLayer,
@@ -591,9 +593,14 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if implementation in (None, "dynamic"):
             model_kwargs["past_key_values"] = HybridCache(self.config)
         elif implementation == "static":
-            # As generate() sizes a StaticCache: room for this call, or more if `max_cache_len` asks for it (a later,
-            # longer call then reuses the compiled step).
-            max_cache_len = max(max_cache_length, generation_config.max_cache_len or 0)
+            # As generate() sizes a StaticCache: room for this call, for `max_cache_len` if it asks for more, and never
+            # less than an earlier call's, so that the compiled step keeps its shapes from call to call.
+            max_cache_len = max(
+                max_cache_length,
+                generation_config.max_cache_len or 0,
+                getattr(self, "_previous_max_cache_length", -1),
+            )
+            self._previous_max_cache_length = max_cache_len
             model_kwargs["past_key_values"] = HybridStaticCache(self.config, max_cache_len)
         else:
             raise ValueError(

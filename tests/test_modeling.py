@@ -371,6 +371,21 @@ def test_static_cache_updates_in_place_and_follows_the_one_pass_forward(make_mod
     assert addresses() == after_prefill
 
 
+def test_static_generation_keeps_its_largest_cache_across_calls(make_model):
+    """As Transformers sizes its StaticCache: a shorter call after a longer one gets buffers of the longer call's size
+    (the compiled step keeps its shapes), and generates the longer call's first tokens."""
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 5))
+    kwargs = dict(do_sample=False, pad_token_id=0, cache_implementation="static", return_dict_in_generate=True)
+    with torch.no_grad():
+        long = model.generate(ids, max_new_tokens=9, **kwargs)
+        short = model.generate(ids, max_new_tokens=3, **kwargs)
+    full_layer = model.config.layer_types.index("full_attention")
+    sizes = [out.past_key_values.layers[full_layer].keys.shape[2] for out in (long, short)]
+    assert sizes[0] >= ids.shape[1] + 8 and sizes[1] == sizes[0]
+    assert torch.equal(short.sequences, long.sequences[:, : ids.shape[1] + 3])
+
+
 @pytest.mark.parametrize("implementation", ["offloaded", "quantized", "sliding_window"])
 def test_other_cache_implementations_are_refused_by_name(make_model, implementation):
     model = make_model()
