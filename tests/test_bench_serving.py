@@ -6,9 +6,12 @@ import re
 
 import pytest
 import torch
+from transformers import MistralForCausalLM
 
+from modeling import HybridForCausalLM
 from vllm_integration.serving_benchmark import cli
-from vllm_integration.serving_benchmark.driver import SMOKE
+from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config
+from vllm_integration.serving_benchmark.driver import FULL, SMOKE
 
 pytest.importorskip("vllm")
 
@@ -87,4 +90,44 @@ def test_profile_batches_are_checked(tmp_path, capsys):
             cli.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
         assert exit_info.value.code == 2
         assert "--profile" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_end_to_end_workloads_time_every_request_to_its_last_token(tmp_path, capsys):
+    """`--end-to-end 24x4`: each model serves 4 requests submitted at once, every one giving all its output tokens
+    (the workload refuses fewer), timed `--repeats` times; the table pairs the hybrid with the parameter-matched
+    sliding-window model."""
+    out = tmp_path / "e2e.json"
+    args = ["--smoke", "--models", "hybrid,swa-matched", "--end-to-end", "24x4", "--repeats", "2"]
+    assert cli.main([*args, "--work-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["points"] == []
+    runs = {w["model"]: w for w in result["end_to_end"]}
+    assert set(runs) == {"hybrid", "swa-matched"}
+    for w in runs.values():
+        assert (w["prompt_len"], w["requests"], w["output_len"]) == (24, 4, SMOKE["output_len"])
+        assert len(w["runs_s"]) == 2 and w["seconds"] == pytest.approx(sum(w["runs_s"]) / 2)
+        assert w["output_tok_s"] == pytest.approx(4 * SMOKE["output_len"] / w["seconds"])
+    assert "| hybrid / swa-matched |" in capsys.readouterr().out
+
+
+def test_the_parameter_matched_baseline_has_the_hybrids_parameters():
+    """swa-matched widens the sliding-window model's MLP until it holds the hybrid's parameters, counted here
+    directly on both models."""
+    hybrid = hybrid_config(FULL, 4096)
+    matched = baseline_config("swa-matched", hybrid)
+    with torch.device("meta"):
+        hybrid_params = sum(p.numel() for p in HybridForCausalLM(hybrid).parameters())
+        matched_params = sum(p.numel() for p in MistralForCausalLM(matched).parameters())
+    assert matched.intermediate_size % 64 == 0 and matched.intermediate_size > hybrid.intermediate_size
+    assert abs(matched_params / hybrid_params - 1) < 0.005
+
+
+@pytest.mark.parametrize("bad", ["1024", "1024x", "0x4", "24x0", "axb"])
+def test_end_to_end_workloads_are_checked(tmp_path, capsys, bad):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--smoke", "--end-to-end", bad, "--work-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--end-to-end" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

@@ -10,6 +10,7 @@ The models, random weights, the same shapes (hidden 2048, 24 layers, 16 heads, 4
   hybrid  this project's model: window-2048 attention + the SSM branch (E 2048, N 16) in every layer
   llama   the same model with full attention and no SSM branch (LlamaForCausalLM)
   swa     the same model with window-2048 attention only, Mistral-style (MistralForCausalLM, every layer sliding)
+  swa-matched  that model with its MLP widened to the hybrid's parameter count (the comparison at equal parameters)
   hybrid-v2  the hybrid's checkpoint served on vLLM's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`; GPU only)
 Each is saved with `save_pretrained` (the hybrid then converted by vllm_integration/convert.py) and served by vLLM in its
 own process, the baselines by vLLM's default attention backend. vLLM 0.26 picks its model runner per model: Model
@@ -29,6 +30,9 @@ For each prompt length L (1k, 8k, 32k, 128k) and 256 output tokens:
   bytes/seq   KV-cache and state bytes each sequence holds at the end of those steps, read from vLLM's block pool;
   prefill     prompt tokens per second until the last request's first token (decodes of earlier ones included).
 `--prefix` adds, for each hybrid model run, a shared-prefix workload served with automatic prefix caching.
+`--end-to-end` runs instead what a user's offline batch feels: N requests of L prompt tokens and 256 output tokens
+each, submitted at once to `LLM.generate`, wall time to the last token (median of `--repeats` runs); by default
+1k x 256, 32k x 256 and 128k x 32 requests.
 """
 
 import argparse
@@ -59,6 +63,14 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--prefix", action="store_true", help="also each hybrid's shared-prefix workload")
     parser.add_argument(
+        "--end-to-end",
+        nargs="?",
+        const="default",
+        help="instead: requests submitted at once, wall time to the last token, for each LxN (prompt tokens x"
+        " requests, comma-separated; default 1024x256,32768x256,131072x32)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each end-to-end workload (default 3)")
+    parser.add_argument(
         "--profile",
         nargs="?",
         const="1,64",
@@ -85,6 +97,18 @@ def main(argv=None) -> int:
             parser.error(f"--profile takes comma-separated batch sizes, got {args.profile!r}")
         if not all(1 <= batch <= args.max_num_seqs for batch in args.profile):
             parser.error(f"--profile batch sizes must be in [1, --max-num-seqs={args.max_num_seqs}]: {args.profile}")
+    if args.end_to_end not in (None, "default"):
+        try:
+            workloads = [item.split("x") for item in args.end_to_end.split(",")]
+            args.end_to_end = tuple((int(length), int(requests)) for length, requests in workloads)
+        except ValueError:
+            parser.error(f"--end-to-end takes comma-separated LxN (e.g. 1024x256), got {args.end_to_end!r}")
+        if not all(length >= 1 and requests >= 1 for length, requests in args.end_to_end):
+            parser.error(f"--end-to-end lengths and request counts must be positive: {args.end_to_end}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.end_to_end is not None and (args.profile is not None or args.prefix):
+        parser.error("--end-to-end runs alone: not with --profile or --prefix")
     if args.report:
         results = [json.loads(Path(path).read_text()) for path in args.report]
     else:

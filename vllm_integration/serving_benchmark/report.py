@@ -9,6 +9,7 @@ LABELS = {
     "hybrid": "hybrid (window + SSM)",
     "hybrid-v2": "hybrid (window + SSM)",  # the plot adds each run's model runner
     "swa": "sliding window only (Mistral-style)",
+    "swa-matched": "sliding window only, MLP widened to the hybrid's parameters",
     "llama": "full attention (Llama)",
 }
 
@@ -16,10 +17,11 @@ LABELS = {
 def table(results: list[dict]) -> str:
     points = [p for r in results for p in r["points"]]
     by = {(p["model"], p["prompt_len"]): p for p in points}
-    lines = [
+    header = [
         "| prompt | model | batch (capacity) | output tok/s | TPOT batch 1 (ms) | KV+state MiB/seq | prefill tok/s |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
+    lines = header if points else []  # an end-to-end run has no points
     for prompt_len in sorted({p["prompt_len"] for p in points}):
         for model in MODELS:
             if p := by.get((model, prompt_len)):
@@ -53,7 +55,29 @@ def table(results: list[dict]) -> str:
             f" the same lengths with distinct prefixes ({p['unique_s']:.2f}s -> {p['shared_s']:.2f}s); tokens equal"
             f" to a run from an empty cache: {p['same_tokens_as_without_cache']}"
         )
-    return "\n".join(lines + [""] + ratios)
+    return "\n".join(lines + [""] + end_to_end_table(results) + ratios)
+
+
+def end_to_end_table(results: list[dict]) -> list[str]:
+    """Wall time of each end-to-end workload per model, and each hybrid's speed against each baseline's."""
+    runs = {(w["model"], w["prompt_len"], w["requests"]): w for r in results for w in r.get("end_to_end", [])}
+    if not runs:
+        return []
+    workloads = sorted({(length, requests) for _, length, requests in runs})
+    models = [m for m in MODELS if any(key[0] == m for key in runs)]
+    pairs = [(h, b) for h, b in itertools.product(HYBRIDS, ("swa", "swa-matched", "llama")) if {h, b} <= set(models)]
+    lines = [
+        "| workload | " + " | ".join(models) + "".join(f" | {h} / {b}" for h, b in pairs) + " |",
+        "|---|" + "---:|" * (len(models) + len(pairs)),
+    ]
+    for length, requests in workloads:
+        cells = [runs.get((m, length, requests)) for m in models]
+        times = [f"{w['seconds']:.2f} s" if w else "-" for w in cells]
+        speed = {m: w["output_tok_s"] for m, w in zip(models, cells) if w}
+        ratios = [f"{speed[h] / speed[b]:.2f}x" if h in speed and b in speed else "-" for h, b in pairs]
+        output_len = next(w["output_len"] for w in cells if w)
+        lines.append(f"| {length:,} x {requests} (+{output_len} out) | " + " | ".join(times + ratios) + " |")
+    return lines + [""]
 
 
 def plot(results: list[dict], path: str) -> None:

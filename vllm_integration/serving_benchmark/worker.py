@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .engine import Engine
-from .workloads import measure_point, point_plan, prefix_workload, random_prompts
+from .workloads import end_to_end, measure_point, point_plan, prefix_workload, random_prompts
 
 # Each model runs on the model runner vLLM picks for it, whatever this process's environment says, except where its
 # worker's environment (on top of this one's) asks otherwise.
@@ -23,7 +23,8 @@ IMPORT_ROOT = Path(__file__).resolve().parents[2]
 
 def measure(spec: dict) -> dict:
     """What the worker process runs: one engine on `spec["model_dir"]`, warmed up, then the spec's workload (the
-    points at every prompt length, or the shared-prefix workload, or the profile tables)."""
+    points at every prompt length, or the end-to-end workloads, or the shared-prefix workload, or the profile
+    tables)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: its scheduler is readable
     engine = Engine(spec["model_dir"], spec["engine"])
     # Warm-up: compiles whatever kernels a first prefill and decode and the mixed batches compile, outside the timed
@@ -44,14 +45,20 @@ def measure(spec: dict) -> dict:
         }
         prefill = engine.profile_steps(random_prompts(32, length, vocab, 0), 16, after_prefill=False)
         return {"profile": decodes | {"first steps, batch 32": prefill}}
-    points = []
-    for prompt_len in spec["prompt_lens"]:
-        points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
-        print(json.dumps(points[-1]), file=sys.stderr, flush=True)
+    points, workloads = [], []
+    if spec.get("end_to_end"):
+        for prompt_len, requests in spec["end_to_end"]:
+            workloads.append(asdict(end_to_end(engine, spec["model"], prompt_len, requests, spec)))
+            print(json.dumps(workloads[-1]), file=sys.stderr, flush=True)
+    else:
+        for prompt_len in spec["prompt_lens"]:
+            points.append(asdict(measure_point(engine, spec["model"], prompt_len, spec)))
+            print(json.dumps(points[-1]), file=sys.stderr, flush=True)
     # What vLLM settled on: the CUDA-graph mode once every backend declared its support (e.g. FULL_AND_PIECEWISE),
     # and the model runner.
     return {
         "points": points,
+        "end_to_end": workloads,
         "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode),
         "model_runner": "V2" if engine.vllm_config.use_v2_model_runner else "V1",
     }

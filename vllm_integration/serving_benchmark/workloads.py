@@ -1,7 +1,9 @@
 """What is timed, in one engine: a point (all the sequences one prompt length admits decoding together, and one
-alone), and a shared-prefix workload with prefix caching."""
+alone), an end-to-end workload (requests submitted at once, wall time to the last token), and a shared-prefix
+workload with prefix caching."""
 
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -25,6 +27,19 @@ class Point:
     prefill_tok_s: float
     tpot_ms: float  # batch 1
     bytes_per_seq: float
+
+
+@dataclass
+class EndToEnd:
+    """One model serving `requests` prompts of `prompt_len` tokens, `output_len` tokens each, submitted at once."""
+
+    model: str
+    prompt_len: int
+    requests: int
+    output_len: int
+    seconds: float  # median wall time from submission to the last request's last token
+    runs_s: list[float]
+    output_tok_s: float  # requests x output_len / seconds
 
 
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -78,6 +93,26 @@ def measure_point(engine: Engine, model: str, prompt_len: int, spec: dict) -> Po
         tpot_ms=1e3 * alone["decode_s"] / alone["tokens"],
         bytes_per_seq=full["held_bytes"] / batch,
     )
+
+
+def end_to_end(engine: Engine, model: str, prompt_len: int, requests: int, spec: dict) -> EndToEnd:
+    """What a user's offline batch feels: `requests` prompts submitted at once to `LLM.generate`, prefills and decodes
+    scheduled by vLLM as it does, timed from submission to the last token; the median of `spec["repeats"]` runs
+    (the same prompts each time, no prefix caching)."""
+    from vllm import SamplingParams
+
+    output_len = spec["output_len"]
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(requests, prompt_len, spec["vocab_size"], seed=3)]
+    runs = []
+    for _ in range(spec["repeats"]):
+        start = time.perf_counter()
+        outputs = engine.llm.generate(prompts, params, use_tqdm=False)
+        runs.append(time.perf_counter() - start)
+        if short := [len(o.outputs[0].token_ids) for o in outputs if len(o.outputs[0].token_ids) != output_len]:
+            raise RuntimeError(f"{model} L={prompt_len}: {len(short)} requests did not give {output_len} tokens")
+    seconds = statistics.median(runs)
+    return EndToEnd(model, prompt_len, requests, output_len, seconds, runs, requests * output_len / seconds)
 
 
 def prefix_workload(engine: Engine, spec: dict) -> dict:
