@@ -185,8 +185,9 @@ class HybridAttentionLayer(Attention):
         cache_dtype = cache_config.cache_dtype if cache_config else "auto"
         if current_platform.is_cuda():
             if cache_dtype not in TRITON_KV_CACHE_DTYPES:
+                supported = " or ".join(TRITON_KV_CACHE_DTYPES)
                 raise ValueError(
-                    f"HybridAttentionLayer's Triton kernels support kv_cache_dtype {' or '.join(TRITON_KV_CACHE_DTYPES)}"
+                    f"HybridAttentionLayer's Triton kernels support kv_cache_dtype {supported}"
                     f" (fp8 is e4m3 with one scale per tensor), not {cache_dtype!r}"
                 )
             backend = HybridTritonAttentionBackend

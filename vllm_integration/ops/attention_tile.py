@@ -66,9 +66,9 @@ def attend_key_tile(
     k_start .. k_start + BLOCK_KEYS - 1, loading only those in [k_first, k_last]. k_first is None where no tile
     starts before the first key (the paged attention's tiles start there; the fused decode's, aligned to multiples
     of BLOCK_KEYS, may start before it), and the bound then costs nothing. p_k, p_v point at the kv head's keys and
-    values (in the query's dtype or fp8, see above), p_block_table at the sequence's block-table row. MASKED tiles hide, per row, the keys outside
-    (query position - window, query position]; unmasked tiles must be visible to every row. Returns the rows'
-    updated (m, l, acc)."""
+    values (in the query's dtype or fp8, see above), p_block_table at the sequence's block-table row. MASKED tiles
+    hide, per row, the keys outside (query position - window, query position]; unmasked tiles must be visible to
+    every row. Returns the rows' updated (m, l, acc)."""
     o_k = k_start + tl.arange(0, BLOCK_KEYS)
     o_d = tl.arange(0, BLOCK_D)
     m_k = o_k <= k_last

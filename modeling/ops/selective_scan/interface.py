@@ -416,6 +416,4 @@ def _selective_state_update(
 # writes nothing: the op only mutates its arguments).
 torch.library.custom_op(
     "hybrid_ssm::selective_state_update", _selective_state_update, mutates_args=("ssm_state", "out")
-).register_fake(
-    lambda ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, out, has_initial_state, block_e, num_warps: None
-)
+).register_fake(lambda *args: None)
