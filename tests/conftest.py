@@ -14,6 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 from configuration import HybridConfig
 from modeling import HybridForCausalLM
+from modeling.ops.triton_utils import interpreter_bf16_dot
 
 
 def compiled_variants(*kernels) -> list[int]:
@@ -23,29 +24,9 @@ def compiled_variants(*kernels) -> list[int]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def interpreter_bf16_dot():
-    """Triton 3.6's interpreter keeps bf16 as raw uint16 bits and multiplies those bits in `tl.dot`; widen them to fp32
-    first (exact: bf16 is the top half of fp32), as the tensor cores' bf16 x bf16 -> fp32 products are. Compiled
-    kernels are unaffected; nothing is patched off the interpreter."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
-
-    create_dot = InterpreterBuilder.create_dot
-
-    def widen(x):
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    def create_dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(InterpreterBuilder, "create_dot", create_dot_widening_bf16)
+def bf16_dot_in_the_interpreter():
+    """Every test: bf16 `tl.dot` in Triton's interpreter multiplies values, not their bits (`interpreter_bf16_dot`)."""
+    with interpreter_bf16_dot():
         yield
 
 

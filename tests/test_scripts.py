@@ -140,6 +140,25 @@ def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
         assert entry["ratio"] == entry["median_ms"]["this"] / entry["median_ms"]["base"]
 
 
+def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
+    """bench_kernels.py --smoke (Triton's interpreter, toy sizes) on the bf16 serving kernels: every checked row is
+    within bf16 error of its reference (the interpreter multiplied bf16 bits in `tl.dot` here once: rel err 1e9)."""
+    result = tmp_path / "kernels.json"
+    command = [
+        sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), "--smoke", "--only", "attention,decode",
+        "--attn-seqs", "1", "--attn-seq-len", "64", "--window", "16", "--heads", "2", "--kv-heads", "1",
+        "--head-dim", "16", "--block-size", "16", "--decode-batch", "2", "--decode-context", "40",
+        "--serve-channels", "16", "--json", str(result),
+    ]  # fmt: skip
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    checked = {(row["section"], row["variant"]): row["rel_err"] for row in json.loads(result.read_text())["rows"]}
+    checked = {key: err for key, err in checked.items() if err is not None}
+    assert {("attn prefill", "Triton paged window attention"), ("decode", "Triton fused (1 launch)")} <= set(checked)
+    assert all(err < 2e-2 for err in checked.values()), checked
+
+
 def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
     """bench_generate.py --smoke on CPU, both caches: both models generate exactly the requested tokens in every timed
     run (the script refuses a short output), and each rate is the workload over the median of those runs."""

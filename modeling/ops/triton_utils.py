@@ -1,6 +1,6 @@
 """The launch toolkit every Triton op shares: argument checks with one policy (and one message form), the no-window
-sentinel, the device facts the launchers size their grids from, and math that `triton.language` lacks (or lacks the
-accuracy of).
+sentinel, the device facts the launchers size their grids from, math that `triton.language` lacks (or lacks the
+accuracy of), and the fix the CPU interpreter needs for bf16 products.
 
 Policy for index tensors (cu_seqlens, state slots, block tables, sequence lengths, seq_idx): int32 or int64, on the
 device of the data, contiguous (kernels read entry i at `pointer + i`, so a strided view such as a column of a wider
@@ -8,12 +8,13 @@ table would read wrong entries); the kernels widen them to int64 before computin
 exception (`check_table`): only their rows need be contiguous. Flags (has_initial_state) are bool.
 """
 
+import contextlib
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
-
 
 # The window of full-attention layers: every key precedes its query by less than this many positions.
 NO_WINDOW = 2**31 - 1
@@ -113,3 +114,33 @@ def softplus(x):
     m_tiny = b_e_rounded == 0.0  # 1 + e == 1: log1p(e) == e to fp32 precision
     b_log1p = tl.where(m_tiny, b_e, tl.log(b_w) * (b_e / tl.where(m_tiny, 1.0, b_e_rounded)))
     return tl.where(x > 20.0, x, b_log1p)
+
+
+@contextlib.contextmanager
+def interpreter_bf16_dot():
+    """Within it, `tl.dot` of bf16 tiles in Triton's CPU interpreter (TRITON_INTERPRET=1) gives bf16 products: Triton
+    3.6's interpreter keeps bf16 as raw uint16 bits and multiplies those bits. The operands are widened to fp32 first
+    (exact: bf16 is the top half of fp32), as the tensor cores' bf16 x bf16 -> fp32 products are. Compiled kernels
+    are unaffected; outside the interpreter nothing is patched. Entered by the tests (conftest) and by
+    `bench_kernels.py --smoke`."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    create_dot = InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_widening_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    InterpreterBuilder.create_dot = create_dot_widening_bf16
+    try:
+        yield
+    finally:
+        InterpreterBuilder.create_dot = create_dot
