@@ -17,8 +17,9 @@ frees the blocks behind a sliding window and points their table entries at a nul
 window may be read, neither the cache nor the block table.
 
 Caches in fp8 (vLLM's `kv_cache_dtype="fp8"`, e4m3) hold K / k_scale and V / v_scale: a tile is converted to the
-query's dtype as it is loaded (exactly: every e4m3 value is a bf16, fp16 and fp32 value), and the callers apply the
-scales, k_scale folded into the scores' scale and v_scale into the output, so the products run in the query's dtype.
+products' dtype as it is loaded (exactly: every e4m3 value is an fp16, bf16 and fp32 value), and the callers apply
+the scales, k_scale folded into the scores' scale and v_scale into the output. The products run in the query's dtype
+(`query_for_products`), fp16 for a bf16 query over an fp8 cache.
 
 Positions and the window are int32. Full attention passes triton_utils.NO_WINDOW (2**31 - 1, the largest int32) as
 its window: it is only ever subtracted from a position >= -1, which stays >= -2**31, and never added to anything, so
@@ -33,6 +34,20 @@ import triton.language as tl
 # tensor-core speed ("ieee" falls back to FMAs, several times slower where attention is compute-bound: prefill).
 # bf16/fp16 operands ignore it.
 DOT_PRECISION = tl.constexpr("tf32x3")
+
+
+@triton.jit
+def query_for_products(b_q, p_cache):
+    """The query tile in the dtype the attention products run in (the key and value tiles are converted to it): the
+    query's own, but fp16 for a bf16 query over an fp8 cache (`p_cache` points into the key cache). Hopper converts a
+    pair of e4m3 values to fp16 in one instruction (cvt.rn.f16x2.e4m3x2) and to bf16 only through fp16: Triton 3.6
+    adds a conversion per value (two more per pair; four more, through fp32, before sm_90), quarter-rate work that
+    grows with the rows of a decode batch. A bf16
+    query converts exactly within fp16's range (|q| <= 65504; vLLM's own fp8 attention quantizes queries to e4m3,
+    |q| <= 448), and fp16 probabilities are finer than bf16's."""
+    if p_cache.dtype.element_ty == tl.float8e4nv and b_q.dtype == tl.bfloat16:
+        return b_q.to(tl.float16)
+    return b_q
 
 
 @triton.jit
@@ -66,9 +81,9 @@ def attend_key_tile(
     k_start .. k_start + BLOCK_KEYS - 1, loading only those in [k_first, k_last]. k_first is None where no tile
     starts before the first key (the paged attention's tiles start there; the fused decode's, aligned to multiples
     of BLOCK_KEYS, may start before it), and the bound then costs nothing. p_k, p_v point at the kv head's keys and
-    values (in the query's dtype or fp8, see above), p_block_table at the sequence's block-table row. MASKED tiles
-    hide, per row, the keys outside (query position - window, query position]; unmasked tiles must be visible to
-    every row. Returns the rows' updated (m, l, acc)."""
+    values (in the query's dtype or fp8, see above; b_q comes from `query_for_products`), p_block_table at the
+    sequence's block-table row. MASKED tiles hide, per row, the keys outside (query position - window, query
+    position]; unmasked tiles must be visible to every row. Returns the rows' updated (m, l, acc)."""
     o_k = k_start + tl.arange(0, BLOCK_KEYS)
     o_d = tl.arange(0, BLOCK_D)
     m_k = o_k <= k_last

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from modeling.ops.selective_scan.decode import ssm_state_update
 
-from ..attention_tile import attend_key_tile, merge_partial
+from ..attention_tile import attend_key_tile, merge_partial, query_for_products
 
 
 class DecodeAttentionArgs(NamedTuple):
@@ -118,7 +118,7 @@ def _hybrid_decode_kernel(
     m_gd = m_g[:, None] & m_d[None, :]
     o_heads = i_kvh * attn.G + o_g  # query heads served by kv head i_kvh
     p_q = attn.query + i_req.to(tl.int64) * attn.s_q_req + o_heads[:, None] * attn.s_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_gd, other=0.0)
+    b_q = query_for_products(tl.load(p_q, mask=m_gd, other=0.0), attn.key_cache)
 
     # The request's one query sits at position seq_len - 1: the position of every row (head) of the tile.
     seq_len = tl.load(attn.seq_lens + i_req)

@@ -19,7 +19,7 @@ may have any strides: vLLM's Triton backend hands out views of one tensor [NB, K
 import triton
 import triton.language as tl
 
-from ..attention_tile import attend_key_tile, merge_partial
+from ..attention_tile import attend_key_tile, merge_partial, query_for_products
 
 
 # One compilation for every batch shape. Serving passes the prefill rows' block table and lengths as slices past the
@@ -132,6 +132,7 @@ def _paged_window_attention_kernel(
     # 4. Online softmax over the key tiles.
     p_q_rows = p_q + (o_tok * s_q_tok + o_head * s_q_head)[:, None] + o_d[None, :]
     b_q = tl.load(p_q_rows, mask=m_row[:, None] & m_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    b_q = query_for_products(b_q, p_k)
     b_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
