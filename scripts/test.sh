@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # README command two: the test suite without the tests marked slow (creates .venv/ on first use). Extra arguments go
 # to pytest after the default marker, so `./scripts/test.sh -m slow` runs the slow ones instead (CI runs both).
 set -euo pipefail
