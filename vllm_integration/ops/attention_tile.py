@@ -42,9 +42,8 @@ def query_for_products(b_q, p_cache):
     query's own, but fp16 for a bf16 query over an fp8 cache (`p_cache` points into the key cache). Hopper converts a
     pair of e4m3 values to fp16 in one instruction (cvt.rn.f16x2.e4m3x2) and to bf16 only through fp16: Triton 3.6
     adds a conversion per value (two more per pair; four more, through fp32, before sm_90), quarter-rate work that
-    grows with the rows of a decode batch. A bf16
-    query converts exactly within fp16's range (|q| <= 65504; vLLM's own fp8 attention quantizes queries to e4m3,
-    |q| <= 448), and fp16 probabilities are finer than bf16's."""
+    grows with the rows of a decode batch. A bf16 query converts exactly within fp16's range (|q| <= 65504; vLLM's
+    own fp8 attention quantizes queries to e4m3, |q| <= 448), and fp16 probabilities are finer than bf16's."""
     if p_cache.dtype.element_ty == tl.float8e4nv and b_q.dtype == tl.bfloat16:
         return b_q.to(tl.float16)
     return b_q
