@@ -206,17 +206,19 @@ class HybridSSM(nn.Module):
                 xs.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
             )
 
-        # 3. Input-dependent step size and state projections. dt_proj's bias is the dt bias: applied once, here.
+        # 3. Input-dependent step size and state projections. The step is softplus(dt_proj(...)), the softplus taken
+        #    inside the scan in fp32: the backward keeps dt_proj's [B, T, E] output alone, not fp32 copies before and
+        #    after an elementwise softplus.
         dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        dt = F.softplus(self.dt_proj(dt_low).float())  # [B, T, E]
+        dt = self.dt_proj(dt_low)  # [B, T, E]
         if padding_mask is not None:
-            # A zero step leaves the state exactly as it was: padding never enters the state.
-            dt = dt * padding_mask[..., None].to(dt.dtype)
+            # softplus(-inf) = 0, and a zero step leaves the state exactly as it was: padding never enters the state.
+            dt = dt.masked_fill(padding_mask[..., None] == 0, float("-inf"))
 
         # 4. Selective scan in fp32 from the cached state; packed sequences each start from zero.
         A = -torch.exp(self.A_log.float())  # [E, N]
         initial_state = layer_cache.recurrent_states[0] if has_history else None
-        y, final_state = ops.selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx)
+        y, final_state = ops.selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx, dt_softplus=True)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 

@@ -133,9 +133,11 @@ def bench_train_step(args) -> list[Row]:
     tokens = args.train_batch * args.train_seq_len
     for name, overrides in variants:
         torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats()
         model = HybridForCausalLM(config(**overrides)).to(DEVICE, torch.bfloat16)
         model.set_attn_implementation(args.train_attn)
         ms = median_train_step_ms(model, args)
+        peak_gib = torch.cuda.max_memory_allocated() / 2**30  # weights, AdamW states, activations, workspaces
         params = sum(p.numel() for p in model.parameters())
         rows.append(
             Row(
@@ -143,15 +145,18 @@ def bench_train_step(args) -> list[Row]:
                 name,
                 f"{params / 1e6:.0f}M params, B={args.train_batch} T={args.train_seq_len} W={args.train_window}",
                 ms,
-                note=f"{tokens / ms * 1e3:,.0f} tok/s",
-                extra={"tokens_per_s": tokens / ms * 1e3},
+                note=f"{tokens / ms * 1e3:,.0f} tok/s, peak {peak_gib:.1f} GiB",
+                extra={"tokens_per_s": tokens / ms * 1e3, "peak_gib": peak_gib},
             )
         )
         del model
         torch.cuda.empty_cache()
-    base = rows[0].extra["tokens_per_s"]
+    base = rows[0].extra
     for row in rows[1:]:
-        row.note += f" = {row.extra['tokens_per_s'] / base:.2f}x SWA-only"
+        row.note += (
+            f" = {row.extra['tokens_per_s'] / base['tokens_per_s']:.2f}x SWA-only's tok/s,"
+            f" {row.extra['peak_gib'] / base['peak_gib']:.2f}x its peak"
+        )
     return rows
 
 

@@ -61,6 +61,25 @@ def test_logits_and_gradients_match_the_reference_path(make_model, kernels_on_cp
         torch.testing.assert_close(param.grad, reference_grads[name].grad, atol=2e-4, rtol=1e-3, msg=name)
 
 
+def test_training_keeps_no_float32_copy_of_the_step_for_backward(make_model, kernels_on_cpu):
+    """The step's softplus runs inside the scan, so what the backward keeps of dt is dt_proj's output in the model's
+    dtype, not float32 [B, T, E] tensors from before and after an elementwise softplus (2x bf16's bytes each: 1.2 GB
+    of a 416M model's 4 GB extra activations at B 2, T 4096)."""
+    model = make_model().to(DEVICE, torch.bfloat16).train()
+    ssm = model.model.layers[0].self_attn.ssm
+    batch, seq_len = 2, 19
+    hidden = torch.randn(batch, seq_len, model.config.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = ssm(hidden.requires_grad_())
+    token_channel = (batch, seq_len, ssm.intermediate_size)
+    kept = [(t.dtype, tuple(t.shape)) for t in saved if t.dim() == 3 and tuple(t.shape) == token_channel]
+    assert (torch.bfloat16, token_channel) in kept, f"the hook saw the [B, T, E] activations: {kept}"
+    assert (torch.float32, token_channel) not in kept, f"a float32 [B, T, E] tensor is kept for backward: {kept}"
+    out.float().square().sum().backward()
+    assert ssm.dt_proj.bias.grad is not None and ssm.dt_proj.bias.grad.abs().sum() > 0
+
+
 def test_cached_generation_matches_the_reference_path(make_model, kernels_on_cpu):
     """Prefill, then decoding with the cached conv history and state: the kernels' initial-state paths."""
     kernel_model, reference_model = kernel_and_reference_models(make_model)
