@@ -44,9 +44,9 @@ def query_for_products(b_q, p_cache):
     adds a conversion per value (two more per pair; four more, through fp32, before sm_90), quarter-rate work that
     grows with the rows of a decode batch. A bf16 query converts exactly within fp16's range (|q| <= 65504; vLLM's
     own fp8 attention quantizes queries to e4m3, |q| <= 448), and fp16 probabilities are finer than bf16's."""
-    if p_cache.dtype.element_ty == tl.float8e4nv and b_q.dtype == tl.bfloat16:
-        return b_q.to(tl.float16)
-    return b_q
+    if p_cache.dtype.element_ty == tl.float8e4nv and b_q.dtype == tl.bfloat16:  # decided at compile time
+        b_q = b_q.to(tl.float16)
+    return b_q  # one return: a jit function's returns must share one type
 
 
 @triton.jit
