@@ -1,0 +1,135 @@
+"""Compiles every Triton kernel the project launches for an H100/H200 (sm_90), on a machine without a GPU: run as
+`python tests/compile_for_hopper.py` (TRITON_INTERPRET unset), it prints one `COMPILED <kernel>` line per compiled
+variant and exits non-zero on the first kernel that does not compile.
+
+Triton's interpreter, which runs the kernel tests on CPU machines, executes a kernel as Python and never type-checks
+it as the compiler does (a jit function whose returns differ in dtype runs there and fails to compile on the GPU).
+Here every launch goes through the real compiler instead: `JITFunction.run` is replaced by one that specializes the
+arguments as a launch would (dtypes, 16-byte alignment, integers equal to 1 or divisible by 16) and compiles for
+sm_90 down to a cubin (Triton carries ptxas), launching nothing. The launchers themselves run on CPU tensors, so each
+case below is a real call path: the model's training step and decode step, and the serving kernels with the dtypes
+vLLM hands them (bf16 activations over bf16 and fp8 KV caches)."""
+
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent / "vllm_ops")]
+
+HOPPER = GPUTarget("cuda", 90, 32)
+BACKEND = make_backend(HOPPER)
+
+
+def compile_instead_of_launching(kernel: JITFunction, *args, grid, warmup, **kwargs):
+    """`JITFunction.run`'s specialization and compile steps for HOPPER; the kernel is not launched."""
+    bound_args, specialization, options = create_function_from_signature(kernel.signature, kernel.params, BACKEND)(
+        *args, **kwargs
+    )
+    options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound_args, specialization, options)
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+    print(f"COMPILED {kernel.__name__}", flush=True)
+
+
+def model_training_and_decode_steps():
+    """The Transformers model on its kernels, bf16: a training step (conv and scan, forward and backward, packed rows
+    too) and cached one-token steps (conv update, state update)."""
+    from configuration import HybridConfig
+    from modeling import HybridForCausalLM, modeling_hybrid
+
+    modeling_hybrid.HybridSSM._ops_for = lambda self, hidden: modeling_hybrid.KERNEL_OPS
+    config = HybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, ssm_state_size=16, max_position_embeddings=512,
+    )  # fmt: skip
+    model = HybridForCausalLM(config).to(torch.bfloat16).train()
+    input_ids = torch.randint(3, 128, (2, 256))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    packed = torch.cat([torch.arange(100), torch.arange(156)])[None]  # two sequences in one row (seq_idx)
+    model(input_ids=input_ids[:1], position_ids=packed, labels=input_ids[:1]).loss.backward()
+    with torch.no_grad():
+        model.eval().generate(input_ids[:, :8], max_new_tokens=2, do_sample=False)
+
+
+def serving_ssm_kernels():
+    """The serving branch's prefill and decode kernels (vllm_integration.ssm's `triton_kernels`) as its layer calls
+    them: bf16 activations (column views of the in_proj and x_proj outputs), the raw dt with its bias, fp32 state
+    cache slots."""
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
+    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd, selective_state_update
+
+    tokens, channels, state, slots = 40, 64, 16, 6
+    xz = torch.randn(tokens, 2 * channels, dtype=torch.bfloat16)
+    xs, z = xz[:, :channels], xz[:, channels:]
+    dbc = torch.randn(tokens, 4 + 2 * state, dtype=torch.bfloat16)
+    B, C = dbc[:, 4 : 4 + state], dbc[:, 4 + state :]
+    dt = torch.randn(tokens, channels, dtype=torch.bfloat16)
+    weight, bias = torch.randn(channels, 4, dtype=torch.bfloat16), torch.randn(channels, dtype=torch.bfloat16)
+    A, D, dt_bias = -torch.rand(channels, state), torch.randn(channels), torch.randn(channels)
+    conv_state = torch.randn(slots, channels, 3, dtype=torch.bfloat16)
+    ssm_state = torch.randn(slots, channels, state)
+    cu_seqlens = torch.tensor([0, 15, 40], dtype=torch.int32)
+    state_indices, has_initial = torch.tensor([3, 1], dtype=torch.int32), torch.tensor([True, False])
+    u = torch.empty(tokens, channels, dtype=torch.bfloat16)
+    out = torch.empty_like(u)
+    causal_conv1d_varlen_fwd(xs, weight, bias, conv_state, cu_seqlens, state_indices, has_initial, "silu", u)
+    selective_scan_varlen_fwd(
+        u, dt, A, B, C, D, z, ssm_state, cu_seqlens, state_indices, has_initial, out=out, dt_bias=dt_bias,
+        dt_softplus=True, max_seq_len=25,
+    )  # fmt: skip
+    decodes = torch.tensor([0, 4, -1], dtype=torch.int32)
+    causal_conv1d_update(xs[:3], weight, bias, conv_state, decodes, "silu", u[:3])
+    selective_state_update(ssm_state, u[:3], dt[:3], A, B[:3], C[:3], D, z[:3], dt_bias, decodes, out[:3])
+
+
+def serving_attention_kernels():
+    """The paged window attention (a mixed batch, and a decode batch split along the keys) and the fused decode
+    (split too), bf16 queries over a bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
+    from paged_cache import paged_kv_cache
+
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
+    from vllm_integration.ops.paged_attention.interface import paged_window_attention
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, page, window = 8, 2, 64, 16, 24
+    scales = {"k_scale": torch.tensor(0.5), "v_scale": torch.tensor(2.0)}
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        fp8 = scales if cache_dtype == torch.float8_e4m3fn else {}
+        for q_lens, splits in (([1, 1, 30], 1), ([1, 1, 1], 2)):  # mixed; decode-only, split-K (merge kernel)
+            seq_lens = [50, 9, 30]
+            key_cache, value_cache, table = paged_kv_cache(
+                seq_lens, window, page, kv_heads, head_dim, cache_dtype, "triton", g, q_lens=q_lens
+            )
+            query = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16)
+            starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            paged_window_attention(
+                query, key_cache, value_cache, table, starts, torch.tensor(seq_lens, dtype=torch.int32),
+                head_dim**-0.5, window, max_query_len=max(q_lens), max_seq_len=50, num_splits=splits, **fp8,
+            )  # fmt: skip
+        batch, channels, state = 3, 64, 16
+        key_cache, value_cache, table = paged_kv_cache([50, 9, 30], window, page, kv_heads, head_dim, cache_dtype,
+                                                       "triton", g)  # fmt: skip
+        query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16)
+        xz = torch.randn(batch, 2 * channels, dtype=torch.bfloat16)
+        dbc = torch.randn(batch, 4 + 2 * state, dtype=torch.bfloat16)
+        hybrid_decode(
+            query, key_cache, value_cache, table, torch.tensor([50, 9, 30], dtype=torch.int32), head_dim**-0.5,
+            window, torch.empty_like(query), torch.randn(5, channels, state), xz[:, :channels],
+            torch.randn(batch, channels, dtype=torch.bfloat16), -torch.rand(channels, state), dbc[:, 4 : 4 + state],
+            dbc[:, 4 + state :], torch.randn(channels), xz[:, channels:], torch.randn(channels),
+            torch.tensor([2, 0, -1], dtype=torch.int32), torch.empty(batch, channels, dtype=torch.bfloat16),
+            num_splits=2, **fp8,
+        )  # fmt: skip
+
+
+CASES = (model_training_and_decode_steps, serving_ssm_kernels, serving_attention_kernels)
+
+if __name__ == "__main__":
+    JITFunction.run = compile_instead_of_launching
+    for case in CASES:
+        print(f"CASE {case.__name__}", flush=True)
+        case()
