@@ -287,6 +287,27 @@ def test_training_packed_rows_equal_sequences_alone(scan, save_seg_states):
         assert_close_scaled(packed[name].grad.cpu(), alone[name].grad.cpu(), tol, f"d{name}")
 
 
+@pytest.mark.parametrize("save_seg_states", [True, False], ids=["saved", "recomputed"])
+def test_training_keeps_one_set_of_states_for_backward(scan, save_seg_states):
+    """Besides its inputs the training scan keeps the segment checkpoints, or, when it does not save them, the chunk
+    start states the backward recomputes them from; never both (each is fp32 [B, *, E, N])."""
+    batch, seq_len, channels, state, chunk, seg = 2, 40, 24, 16, 8, 4
+    inputs = {
+        k: v.float().to(DEVICE).requires_grad_()
+        for k, v in random_training_inputs(batch, seq_len, channels, state, torch.float32).items()
+    }
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y, _ = scan.selective_scan_fn(**inputs, chunk=chunk, seg=seg, save_seg_states=save_seg_states)
+    states = sorted(tuple(t.shape) for t in saved if t.dim() == 4)
+    expected = (
+        (batch, seq_len // seg, channels, state) if save_seg_states else (batch, seq_len // chunk, channels, state)
+    )
+    assert states == [expected], states
+    y.sum().backward()  # the backward runs from what was kept (its values: test_training_forward_backward)
+    assert all(torch.isfinite(inputs[name].grad).all() for name in inputs)
+
+
 def test_training_rejects_bad_shapes(scan):
     inputs = {k: v.float() for k, v in random_training_inputs(1, 5, 8, 4, torch.float32).items()}
     with pytest.raises(ValueError, match="B"):

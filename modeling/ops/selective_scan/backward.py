@@ -278,8 +278,9 @@ def launch_selective_scan_bwd(
     *,
     blocks: "ScanBlocks", dt_bias: Tensor | None = None, dt_softplus: bool = False, seq_idx: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
-    """The backward's launches (training layout [B, T, E], B and C sharing their strides); chunk_h / chunk_dtsum as
-    `launch_selective_scan_fwd` returned them, seg_states as it filled them (or None: the backward recomputes them),
+    """The backward's launches (training layout [B, T, E], B and C sharing their strides); chunk_dtsum as
+    `launch_selective_scan_fwd` returned it (None: one chunk per row), seg_states as it filled them, or None and the
+    chunk start states chunk_h it returned, from which the backward recomputes them (chunk_h is not read otherwise),
     dt_bias / dt_softplus / seq_idx as the forward got them. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state,
     d_dt_bias) in the dtypes of the inputs (None for an absent initial state or dt_bias)."""
     batch_size, seq_len, num_channels = u.shape
@@ -287,7 +288,7 @@ def launch_selective_scan_bwd(
     block_n = triton.next_power_of_2(state_size)
     num_chunks = triton.cdiv(seq_len, blocks.chunk)
     num_eblocks = triton.cdiv(num_channels, blocks.bwd_block_e)
-    chunked = chunk_h is not None
+    chunked = chunk_dtsum is not None
     du = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
     ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)
     dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
@@ -296,7 +297,7 @@ def launch_selective_scan_bwd(
     dA_part = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32)
     dD_part = u.new_empty(batch_size, num_chunks, num_channels, dtype=torch.float32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
-    chunk_dh = torch.empty_like(chunk_h) if chunked else None
+    chunk_dh = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32) if chunked else None
     grid = (batch_size, num_eblocks, num_chunks)
     # Per program: one segment of states and, unless the forward saved them, the chunk's segment checkpoints, each
     # [BLOCK_E, BLOCK_N] fp32.
@@ -320,7 +321,7 @@ def launch_selective_scan_bwd(
         "p_h0": initial_state if initial_state is not None else dummy,
         "p_dhT": d_final_state if d_final_state is not None else dummy,
         "p_dh0": d_initial if d_initial is not None else dummy,
-        "p_chunk_h": chunk_h if chunked else dummy,
+        "p_chunk_h": chunk_h if chunk_h is not None else dummy,
         "p_chunk_dh": chunk_dh if chunked else dummy,
         "p_seg_h": seg_states if seg_states is not None else dummy,
         "p_scratch": scratch,

@@ -127,6 +127,9 @@ class SelectiveScanFunction(torch.autograd.Function):
             seg_states=seg_states,
             seq_idx=seq_idx,
         )
+        # The backward reads the chunk start states only to recompute checkpoints it is not given: with them saved,
+        # keeping chunk_h too would hold fp32 [B, num_chunks, E, N] for nothing.
+        chunk_h = chunk_h if seg_states is None else None
         ctx.save_for_backward(
             u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx, dt_bias
         )  # fmt: skip
