@@ -292,28 +292,68 @@ def vllm_ops():
     )
 
 
+@dataclass
+class PrefillBatch:
+    """Packed prefills (--prefill-seqs of --prefill-seq-len tokens, --serve-channels channels, N 16, K 4) continuing
+    from state slots, half of them with an initial state, in the dtypes serving hands the kernels."""
+
+    shape: str
+    cu_seqlens: torch.Tensor
+    slots: torch.Tensor
+    has_initial: torch.Tensor
+    xs: torch.Tensor  # [T, E] views of one [T, 2E] in_proj output, as z
+    z: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    conv_state0: torch.Tensor
+    dt: torch.Tensor  # raw dt_proj output: dt_args apply its bias and softplus in the scan
+    B: torch.Tensor
+    C: torch.Tensor
+    A: torch.Tensor
+    D: torch.Tensor
+    dt_args: dict
+    ssm_state0: torch.Tensor
+
+
+def prefill_batch(args) -> PrefillBatch:
+    num_seqs, seq_len, channels, state, K = args.prefill_seqs, args.prefill_seq_len, args.serve_channels, 16, 4
+    total = num_seqs * seq_len
+    num_slots = 2 * num_seqs + 1
+    xs, z = randn(total, 2 * channels).chunk(2, dim=-1)
+    dt_bias = randn(channels, dtype=torch.float32, scale=0.5) - 3
+    return PrefillBatch(
+        shape=f"{num_seqs} seqs x {seq_len}, E={channels} N={state}",
+        cu_seqlens=torch.arange(0, total + 1, seq_len, device=DEVICE, dtype=torch.int32),
+        slots=torch.randperm(num_slots - 1, device=DEVICE)[:num_seqs].to(torch.int32) + 1,
+        has_initial=torch.arange(num_seqs, device=DEVICE) % 2 == 0,
+        xs=xs,
+        z=z,
+        weight=randn(channels, K, scale=0.5),
+        bias=randn(channels),
+        conv_state0=randn(num_slots, channels, K - 1),
+        dt=randn(total, channels, scale=0.5),
+        B=randn(total, state),
+        C=randn(total, state),
+        A=-torch.exp(randn(channels, state, dtype=torch.float32, scale=0.5)),
+        D=randn(channels, dtype=torch.float32),
+        dt_args={"dt_bias": dt_bias, "dt_softplus": True},
+        ssm_state0=randn(num_slots, channels, state, dtype=torch.float32),
+    )
+
+
 def bench_prefill(args) -> list[Row]:
     """Packed prefills continuing from state slots: conv varlen then scan varlen, as the vLLM backend runs them."""
     from modeling.ops import causal_conv1d_varlen_ref, selective_scan_varlen_ref
     from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
     from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
 
-    num_seqs, seq_len, channels, state, K = args.prefill_seqs, args.prefill_seq_len, args.serve_channels, 16, 4
-    total = num_seqs * seq_len
-    shape = f"{num_seqs} seqs x {seq_len}, E={channels} N={state}"
-    cu_seqlens = torch.arange(0, total + 1, seq_len, device=DEVICE, dtype=torch.int32)
-    num_slots = 2 * num_seqs + 1
-    slots = torch.randperm(num_slots - 1, device=DEVICE)[:num_seqs].to(torch.int32) + 1
-    has_initial = torch.arange(num_seqs, device=DEVICE) % 2 == 0
-    xz = randn(total, 2 * channels)
-    xs, z = xz.chunk(2, dim=-1)
-    weight, bias = randn(channels, K, scale=0.5), randn(channels)
-    conv_state0 = randn(num_slots, channels, K - 1)
-    dt, B, C = randn(total, channels, scale=0.5), randn(total, state), randn(total, state)
-    A = -torch.exp(randn(channels, state, dtype=torch.float32, scale=0.5))
-    D, dt_bias = randn(channels, dtype=torch.float32), randn(channels, dtype=torch.float32, scale=0.5) - 3
-    dt_args = {"dt_bias": dt_bias, "dt_softplus": True}  # raw dt_proj outputs, as serving passes them
-    ssm_state0 = randn(num_slots, channels, state, dtype=torch.float32)
+    batch = prefill_batch(args)
+    shape, cu_seqlens, slots, has_initial = batch.shape, batch.cu_seqlens, batch.slots, batch.has_initial
+    xs, z, weight, bias, conv_state0 = batch.xs, batch.z, batch.weight, batch.bias, batch.conv_state0
+    dt, B, C, A, D, dt_args, ssm_state0 = batch.dt, batch.B, batch.C, batch.A, batch.D, batch.dt_args, batch.ssm_state0
+    dt_bias = dt_args["dt_bias"]
+    num_seqs, channels, state, K = len(slots), xs.shape[1], B.shape[1], weight.shape[1]
+    total = xs.shape[0]
 
     def ours(conv_state, ssm_state, out):
         u = causal_conv1d_varlen_fwd(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
@@ -607,6 +647,31 @@ def bench_scan_sweep(args) -> list[Row]:
     return sweep("scan f+b", shape, fwd_bwd, one_knob + SCAN_COMBOS) + sweep("scan fwd", shape, fwd, fwd_variants)
 
 
+def bench_prefill_scan_sweep(args) -> list[Row]:
+    """The serving scan (`selective_scan_varlen_fwd`) alone at the prefill shape (`--prefill-*`, `--serve-channels`;
+    the serving benchmark's 8192-token steps: --prefill-seqs 1 --prefill-seq-len 8192 --serve-channels 2048): its
+    launch settings, one knob at a time, then combinations."""
+    from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
+
+    batch = prefill_batch(args)
+    u, out, ssm_state = torch.empty_like(batch.xs), torch.empty_like(batch.xs), batch.ssm_state0.clone()
+    u.copy_(F.silu(batch.xs))
+    max_len = args.prefill_seq_len
+
+    def run(**knobs):
+        return selective_scan_varlen_fwd(
+            u, batch.dt, batch.A, batch.B, batch.C, batch.D, batch.z, ssm_state, batch.cu_seqlens, batch.slots,
+            batch.has_initial, out, max_seq_len=max_len, **batch.dt_args, **knobs,
+        )  # fmt: skip
+
+    one_knob = one_knob_at_a_time(
+        {"chunk": [64, 256, 512, 2048], "block_e": [8, 16, 64], "num_warps": [2, 4], "unroll": [2, 4]}
+    )
+    combos = [{"block_e": 16, "chunk": 256}, {"block_e": 16, "chunk": 512}, {"block_e": 64, "num_warps": 2},
+              {"block_e": 64, "num_warps": 2, "chunk": 256}, {"chunk": 256, "unroll": 2}]  # fmt: skip
+    return sweep("scan varlen", batch.shape, run, one_knob + combos)
+
+
 def bench_sweeps(args) -> list[Row]:
     from modeling.ops.causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
     from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
@@ -677,6 +742,7 @@ SECTIONS: dict[str, Callable] = {
     "train": bench_train_step,
     "sweep": bench_sweeps,
     "scan_sweep": bench_scan_sweep,
+    "prefill_scan_sweep": bench_prefill_scan_sweep,
 }
 CEILINGS: dict[str, float] = {}
 

@@ -3,7 +3,8 @@
 # Run from the repository root on the CUDA machine; logs and JSON go to $OUT (the device tool brings them back).
 #
 #   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
-#   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep)
+#   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep,
+#                                          # then prefill_scan_sweep at the serving prefill shape)
 #   bash scripts/device_check.sh vllm [K]  # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
 #                                          # on the two-GPU kind (nvidia-h200-x2) this includes tensor parallel 2;
 #                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
@@ -39,6 +40,9 @@ case "${1:-kernels}" in
     ;;
   sweep)
     python3 scripts/bench_kernels.py --only sweep,scan_sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80
+    # The serving scan at the serving benchmark's prefill step (one 8192-token sequence, E 2048).
+    python3 scripts/bench_kernels.py --only prefill_scan_sweep --prefill-seqs 1 --prefill-seq-len 8192 \
+      --serve-channels 2048 --json "$OUT/prefill_scan_sweep.json" 2>&1 | tee "$OUT/prefill_scan_sweep.log" | tail -30
     ;;
   vllm)
     export VLLM_USE_FLASHINFER_SAMPLER=0
