@@ -8,9 +8,9 @@ decode.py.
     selective_state_update      decode steps: one token per request [B, E], from and into its state cache slot
 
 The two scans take the step as mamba_ssm does: `dt_bias` (None) and `dt_softplus` (False) keywords, the step being
-softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given). The model's training path passes the step itself;
-serving passes the raw dt_proj output with dt_bias and dt_softplus=True, which is the one form the decode step takes
-(its step is always softplus(dt + dt_bias)).
+softplus(dt + dt_bias) if dt_softplus else dt (+ dt_bias if given). The model's training path passes dt_proj's output
+(bias included) with dt_softplus=True; serving passes the raw dt_proj output with dt_bias and dt_softplus=True, which
+is the one form the decode step takes (its step is always softplus(dt + dt_bias)).
 """
 
 from typing import NamedTuple

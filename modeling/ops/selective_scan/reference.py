@@ -46,8 +46,8 @@ def selective_scan_ref(
 
     Args:
         u:  [B, T, E] conv output (after silu), any float dtype.
-        dt: [B, T, E] step sizes: the step is `dt` itself (the model passes `softplus(dt_proj(...))`), or see
-            dt_bias / dt_softplus; a zero step leaves the state untouched.
+        dt: [B, T, E] step sizes: the step is `dt` itself, or see dt_bias / dt_softplus (the model passes
+            `dt_proj(...)` with dt_softplus=True); a zero step leaves the state untouched.
         A:  [E, N] negative decay rates (`-exp(A_log)`).
         B:  [B, T, N] input projection of the state.
         C:  [B, T, N] output projection of the state.
