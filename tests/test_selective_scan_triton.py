@@ -32,8 +32,8 @@ def assert_close_scaled(actual, expected, tol, name):
 
 
 def random_training_inputs(batch, seq_len, channels, state, dtype, seed=0):
-    """u and z are halves of one [B, T, 2E] tensor (strided views, as in the model); dt stays fp32 like the
-    model's softplus output; everything random, nothing zero."""
+    """u and z are halves of one [B, T, 2E] tensor (strided views, as in the model); dt is an fp32 step (the tests of
+    dt_softplus pass raw values instead); everything random, nothing zero."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
