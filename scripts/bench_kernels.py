@@ -347,56 +347,52 @@ def bench_prefill(args) -> list[Row]:
     from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
     from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
 
-    batch = prefill_batch(args)
-    shape, cu_seqlens, slots, has_initial = batch.shape, batch.cu_seqlens, batch.slots, batch.has_initial
-    xs, z, weight, bias, conv_state0 = batch.xs, batch.z, batch.weight, batch.bias, batch.conv_state0
-    dt, B, C, A, D, dt_args, ssm_state0 = batch.dt, batch.B, batch.C, batch.A, batch.D, batch.dt_args, batch.ssm_state0
-    dt_bias = dt_args["dt_bias"]
-    num_seqs, channels, state, K = len(slots), xs.shape[1], B.shape[1], weight.shape[1]
-    total = xs.shape[0]
+    b = prefill_batch(args)
+    num_seqs, channels, state, K = args.prefill_seqs, args.serve_channels, b.B.shape[1], b.weight.shape[1]
+    seqs = (b.cu_seqlens, b.slots, b.has_initial)
 
     def ours(conv_state, ssm_state, out):
-        u = causal_conv1d_varlen_fwd(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
-        selective_scan_varlen_fwd(u, dt, A, B, C, D, z, ssm_state, cu_seqlens, slots, has_initial, out, **dt_args)
+        u = causal_conv1d_varlen_fwd(b.xs, b.weight, b.bias, conv_state, *seqs, "silu")
+        selective_scan_varlen_fwd(u, b.dt, b.A, b.B, b.C, b.D, b.z, ssm_state, *seqs, out, **b.dt_args)
         return u
 
     def reference(conv_state, ssm_state, out):
-        u = causal_conv1d_varlen_ref(xs, weight, bias, conv_state, cu_seqlens, slots, has_initial, "silu")
-        selective_scan_varlen_ref(u, dt, A, B, C, D, z, ssm_state, cu_seqlens, slots, has_initial, out, **dt_args)
+        u = causal_conv1d_varlen_ref(b.xs, b.weight, b.bias, conv_state, *seqs, "silu")
+        selective_scan_varlen_ref(u, b.dt, b.A, b.B, b.C, b.D, b.z, ssm_state, *seqs, out, **b.dt_args)
         return u
 
     results = []
     for fn in (ours, reference):
-        conv_state, ssm_state, out = conv_state0.clone(), ssm_state0.clone(), torch.full_like(xs, float("nan"))
+        conv_state, ssm_state, out = b.conv_state0.clone(), b.ssm_state0.clone(), torch.full_like(b.xs, float("nan"))
         u = fn(conv_state, ssm_state, out)
         results.append((u, out, conv_state, ssm_state))
-    errs = {name: rel_err(a, b) for name, a, b in zip(["u", "y", "conv_state", "ssm_state"], results[0], results[1])}
-    tokens_bytes = total * channels * (2 + 2 + 2 + 2 + 2)  # xs, dt, z in; u out (and in again), y out
+    errs = {name: rel_err(x, y) for name, x, y in zip(["u", "y", "conv_state", "ssm_state"], results[0], results[1])}
+    tokens_bytes = b.xs.shape[0] * channels * (2 + 2 + 2 + 2 + 2)  # xs, dt, z in; u out (and in again), y out
     state_bytes = 2 * num_seqs * channels * (state * 4 + (K - 1) * 2)
-    work = [conv_state0.clone(), ssm_state0.clone(), torch.empty_like(xs)]
+    work = [b.conv_state0.clone(), b.ssm_state0.clone(), torch.empty_like(b.xs)]
     rows = [
-        Row("prefill", "Triton conv varlen + scan varlen", shape, median_ms(lambda: ours(*work)),
+        Row("prefill", "Triton conv varlen + scan varlen", b.shape, median_ms(lambda: ours(*work)),
             bytes=tokens_bytes + state_bytes, rel_err=max(errs.values()), extra=errs),
-        Row("prefill", "PyTorch references", shape, median_ms(lambda: reference(*work), rep_ms=100),
+        Row("prefill", "PyTorch references", b.shape, median_ms(lambda: reference(*work), rep_ms=100),
             bytes=tokens_bytes + state_bytes),
     ]  # fmt: skip
     if (vllm := vllm_ops()) is not None:
         # vLLM's Mamba-1 ops are channel-major ([E, T]): hand them that layout, made before timing.
-        xs_cm, dt_cm, z_cm = xs.t().contiguous(), dt.t().contiguous(), z.t().contiguous()
-        B_cm, C_cm = B.t().contiguous()[None], C.t().contiguous()[None]
-        conv_state_v = conv_state0.clone()
-        ssm_state_v = ssm_state0.clone()
+        xs_cm, dt_cm, z_cm = b.xs.t().contiguous(), b.dt.t().contiguous(), b.z.t().contiguous()
+        B_cm, C_cm = b.B.t().contiguous()[None], b.C.t().contiguous()[None]
+        conv_state_v = b.conv_state0.clone()
+        ssm_state_v = b.ssm_state0.clone()
 
         def vllm_prefill():
             u = vllm["causal_conv1d_fn"](
-                xs_cm, weight, bias, conv_states=conv_state_v, query_start_loc=cu_seqlens, cache_indices=slots,
-                has_initial_state=has_initial, activation="silu",
+                xs_cm, b.weight, b.bias, conv_states=conv_state_v, query_start_loc=b.cu_seqlens,
+                cache_indices=b.slots, has_initial_state=b.has_initial, activation="silu",
             )  # fmt: skip
             return vllm["selective_scan_fn"](
-                u, ssm_state_v, dt_cm, A, B_cm, C_cm, D, z_cm, dt_bias, True, cu_seqlens, slots, has_initial
+                u, ssm_state_v, dt_cm, b.A, B_cm, C_cm, b.D, z_cm, b.dt_args["dt_bias"], True, *seqs
             )
 
-        rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", shape + " (E-major)",
+        rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", b.shape + " (E-major)",
                         median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
     base = rows[0].ms
     for row in rows[1:]:
@@ -654,8 +650,8 @@ def bench_prefill_scan_sweep(args) -> list[Row]:
     from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
 
     batch = prefill_batch(args)
-    u, out, ssm_state = torch.empty_like(batch.xs), torch.empty_like(batch.xs), batch.ssm_state0.clone()
-    u.copy_(F.silu(batch.xs))
+    u = F.silu(batch.xs)  # the conv's output stands in: the scan's timing does not depend on its values
+    out, ssm_state = torch.empty_like(u), batch.ssm_state0.clone()
     max_len = args.prefill_seq_len
 
     def run(**knobs):
