@@ -210,6 +210,20 @@ def bench_scan(args) -> list[Row]:
         ref_fwd_ms = median_ms(lambda: selective_scan_ref(*inputs), rep_ms=100)
     fb_ms = median_ms(fwd_bwd(selective_scan_fn))
     ref_fb_ms = median_ms(fwd_bwd(selective_scan_ref), rep_ms=100)
+
+    # The model's call: dt_proj's raw bf16 output, the step's softplus taken inside the scan (fwd and bwd).
+    raw_dt = randn(batch, seq_len, channels, scale=0.5) - 3
+    model_inputs = [*inputs[:1], raw_dt.requires_grad_(True), *inputs[2:]]
+
+    def model_fwd_bwd(scan):
+        def run():
+            y, _ = scan(*model_inputs, dt_softplus=True)
+            return torch.autograd.grad(y, model_inputs, dy)
+
+        return run
+
+    model_errs = [rel_err(g, r) for g, r in zip(model_fwd_bwd(selective_scan_fn)(), model_fwd_bwd(selective_scan_ref)())]
+    model_fb_ms = median_ms(model_fwd_bwd(selective_scan_fn))
     return [
         Row("scan", "Triton fwd", shape, fwd_ms, bytes=fwd_bytes, rel_err=errs["y"],
             note=f"{ref_fwd_ms / fwd_ms:.0f}x reference"),
@@ -218,6 +232,8 @@ def bench_scan(args) -> list[Row]:
             note=f"{ref_fb_ms / fb_ms:.0f}x reference; floor x{fb_ms / ((fwd_bytes + bwd_bytes) / CEILINGS['copy_GBps'] / 1e6):.1f}",
             extra=errs),
         Row("scan", "PyTorch reference fwd+bwd", shape, ref_fb_ms, bytes=fwd_bytes + bwd_bytes),
+        Row("scan", "Triton fwd+bwd, bf16 raw dt + softplus", shape, model_fb_ms, rel_err=max(model_errs),
+            note="the model's call (dt_softplus=True)"),
     ]  # fmt: skip
 
 
@@ -598,6 +614,30 @@ def sweep(section: str, shape: str, run: Callable[..., object], variants: list[d
     return rows
 
 
+def kernel_breakdown(section: str, shape: str, run: Callable[[], object], repeats: int = 20) -> list[Row]:
+    """One row per GPU kernel that `run()` launches, in launch order: its median time over `repeats` calls under
+    torch.profiler (a launcher's stages, which CUDA events around the whole call cannot separate)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if DEVICE != "cuda":  # smoke runs: nothing to profile
+        return []
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    per_call = len(kernels) // repeats
+    rows = []
+    for i in range(per_call):
+        times = sorted(e.time_range.elapsed_us() for e in kernels[i::per_call])
+        rows.append(Row(section, f"kernel {i + 1} of {per_call}: {kernels[i].name[:24]}", shape,
+                        times[len(times) // 2] / 1e3))  # fmt: skip
+    return rows
+
+
 def one_knob_at_a_time(grid: dict[str, list]) -> list[dict]:
     """Each value of each knob alone, the other knobs at their defaults."""
     return [{knob: value} for knob, values in grid.items() for value in values]
@@ -663,9 +703,12 @@ def bench_prefill_scan_sweep(args) -> list[Row]:
     one_knob = one_knob_at_a_time(
         {"chunk": [64, 256, 512, 2048], "block_e": [8, 16, 64], "num_warps": [2, 4], "unroll": [2, 4]}
     )
-    combos = [{"block_e": 16, "chunk": 256}, {"block_e": 16, "chunk": 512}, {"block_e": 64, "num_warps": 2},
-              {"block_e": 64, "num_warps": 2, "chunk": 256}, {"chunk": 256, "unroll": 2}]  # fmt: skip
-    return sweep("scan varlen", batch.shape, run, one_knob + combos)
+    combos = [{"block_e": 16, "chunk": 256}, {"block_e": 16, "chunk": 512}, {"block_e": 64, "num_warps": 1},
+              {"block_e": 64, "num_warps": 1, "chunk": 64}, {"block_e": 64, "num_warps": 2, "chunk": 256},
+              {"chunk": 256, "unroll": 2}]  # fmt: skip
+    rows = sweep("scan varlen", batch.shape, run, one_knob + combos)
+    # Where the default's time goes: stage 0, the chunk combine, stage 1 (forward.py).
+    return rows + kernel_breakdown("scan varlen", batch.shape, run)
 
 
 def bench_sweeps(args) -> list[Row]:

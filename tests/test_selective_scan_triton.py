@@ -12,7 +12,10 @@ from conftest import compiled_variants
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_scan_varlen_ref
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from modeling.ops.triton_utils import softplus  # noqa: E402 (needs triton)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -50,6 +53,39 @@ def random_training_inputs(batch, seq_len, channels, state, dtype, seed=0):
         "z": z,
         "initial_state": rand(batch, channels, state),
     }
+
+
+@triton.jit
+def _softplus_kernel(p_x, p_y, n, BLOCK: tl.constexpr):
+    """The scans' Triton `softplus` applied to a vector."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(p_y + o, softplus(tl.load(p_x + o, mask=o < n)), mask=o < n)
+
+
+def triton_softplus(x):
+    y = torch.full_like(x, float("nan"))
+    _softplus_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+
+
+def test_softplus_matches_float64():
+    """The scans' softplus (the step of every dt_softplus scan) against torch's in float64 over fp32 inputs, wherever
+    the result is a normal fp32 number (x > -87) and across torch's linear threshold (20): relative error within
+    1.5e-6, plus |x| * 7e-8 in the exponential tail, where exp(x) is taken as exp2(x * log2(e)) and the product's
+    rounding is a relative error of |x| * log2(e) * 2^-24 * ln(2) in the result; exactly 0 at -inf (the model's
+    padding steps) and inf at inf."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.empty(50_000).uniform_(-87.0, 88.0, generator=g),
+        torch.randn(50_000, generator=g) * 3.0,
+        torch.tensor([0.0, 1e-7, -1e-7, 19.99, 20.0, 20.01, -20.0, 87.0, -87.0, 1e30]),
+    ]).to(DEVICE)  # fmt: skip
+    expected = F.softplus(x.double())
+    error = (triton_softplus(x).double() - expected).abs() / expected
+    bound = 1.5e-6 + 7e-8 * x.double().abs()
+    assert (error <= bound).all(), f"worst: x = {x[(error / bound).argmax()].item()}, error {error.max().item():.2e}"
+    edges = triton_softplus(torch.tensor([float("-inf"), float("inf")], device=DEVICE))
+    assert edges.tolist() == [0.0, float("inf")]
 
 
 TRAIN_CASES = [  # batch, T, E, N, dtype of u/z/B/C, with initial state, chunk (None: one chunk per sequence), seg,
