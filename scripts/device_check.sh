@@ -10,6 +10,9 @@
 #                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
 #                                          # runner; `VLLM_USE_V2_MODEL_RUNNER=1 bash ... vllm` runs the same
 #                                          # tests on Model Runner V2 (the engines inherit the environment)
+#   bash scripts/device_check.sh startup   # scripts/check_engine_start.py (vLLM staged): build, save and convert a
+#                                          # ~1B model, then LLM() with vLLM's defaults in the same process, under a
+#                                          # time limit (a hang fails it)
 #   bash scripts/device_check.sh serving ARGS...   # scripts/bench_serving.py ARGS (vLLM staged), e.g.
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #   bash scripts/device_check.sh both K ARGS...    # on the two-GPU kind, in one call: `vllm K` on GPU 0 (no TP 2)
@@ -73,6 +76,14 @@ case "${1:-kernels}" in
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|Error|assert" "$OUT/pytest_vllm.log" | tail -30
     exit $status
     ;;
+  startup)
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    timeout 420 python3 scripts/check_engine_start.py /tmp/engine_start 2>&1 | tee "$OUT/engine_start.log" \
+      | grep -v "^(EngineCore\|^INFO\|^WARNING" | tail -20
+    status=${PIPESTATUS[0]}
+    ((status == 124)) && echo "LLM() did not start within the time limit: the engine hung"
+    exit "$status"
+    ;;
   serving)
     shift
     export VLLM_USE_FLASHINFER_SAMPLER=0 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
@@ -105,7 +116,7 @@ case "${1:-kernels}" in
     exit $((tests_status || serving_status))
     ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm [K]|serving ARGS|both K ARGS" >&2
+    echo "usage: $0 kernels|sweep|vllm [K]|startup|serving ARGS|both K ARGS" >&2
     exit 2
     ;;
 esac

@@ -10,9 +10,10 @@ def register() -> None:
 
     import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
 
-    from .upstream_fixes import bound_max_token_id
+    from .upstream_fixes import bound_max_token_id, release_openmp_threads_before_fork
 
     bound_max_token_id()
+    release_openmp_threads_before_fork()
 
     if "HybridForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("HybridForCausalLM", "vllm_integration.model:HybridForCausalLM")

@@ -1,10 +1,11 @@
-"""Fixes of three vLLM 0.26 defects: two let one request take the whole server down, one serves requests without a
-LoRA adapter through another request's adapter.
+"""Fixes of four vLLM 0.26 defects: two let one request take the whole server down, one serves requests without a
+LoRA adapter through another request's adapter, one starts an engine that never becomes ready.
 
-Each fix is a thin wrapper around the function that has the defect, applied once per process where it acts: the
-first by `register()` (the frontend checks prompts), the others by the model (the engine samples and runs the LoRA
-ops). A real server checks the first two in tests/test_serving_load.py, tests/test_vllm.py the third. Remove a fix
-when the vLLM pin moves past the defect.
+Each fix is a thin wrapper around the function that has the defect (or a hook), applied once per process where it
+acts: the first and the fourth by `register()` (the frontend checks prompts; the process that forks the engine loads
+the plugins first), the others by the model (the engine samples and runs the LoRA ops). A real server checks the
+first two in tests/test_serving_load.py, tests/test_vllm.py the third, tests/test_engine_start.py the fourth's fork
+(scripts/device_check.sh `startup` the whole flow on a GPU). Remove a fix when the vLLM pin moves past the defect.
 
 1. A token id one past the vocabulary passes the frontend's check. `get_cached_tokenizer` takes
    `max(largest id, tokenizer.vocab_size)` as the largest token id, but `vocab_size` counts the ids: a prompt
@@ -20,7 +21,17 @@ when the vLLM pin moves past the defect.
    The PyTorch LoRA ops (`vllm.lora.ops.torch_ops`) select each row's adapter as `weights[index]`, and the index of a
    row without an adapter is -1: Python's last slot, where the GPU kernels skip the row. With the fix such rows get
    no LoRA term, and a batch mixing adapters and none gives each request what it gives alone.
+4. `LLM()` hangs forever, with no error, when its process did parallel CPU work before (building or converting a
+   model on the CPU, say). vLLM forks the engine core and its workers unless CUDA is initialised, but PyTorch's
+   CPU ops run on an OpenMP thread pool, and GNU OpenMP (PyTorch's, on Linux) is not fork-safe: a forked child
+   inherits the pool's bookkeeping without its threads, and its first parallel region (loading the weights) waits
+   for them forever. With the fix every fork releases the OpenMP threads first (`omp_pause_resource_all`, OpenMP
+   5.0, which GNU's and LLVM's runtimes implement): the child starts with no pool and makes its own, the parent's
+   next parallel region starts its threads again (a few hundred microseconds).
 """
+
+import ctypes
+import os
 
 import numpy as np
 
@@ -120,3 +131,30 @@ def skip_rows_without_adapter_in_cpu_lora_ops() -> None:
             bgmv = getattr(module, name)
             if not getattr(bgmv, "skips_rows_without_adapter", False):
                 setattr(module, name, skipping_rows_without_adapter(bgmv))
+
+
+OMP_PAUSE_HARD = 2  # omp_pause_resource_t: release every OpenMP resource, threads included (OpenMP 5.0)
+_releases_openmp_threads_before_fork = False
+
+
+def release_openmp_threads_before_fork() -> None:
+    """Fix 4: every fork of this process from here on (vLLM's engine core, its workers) releases the OpenMP runtime's
+    threads first. Nothing to do where no OpenMP runtime is loaded."""
+    global _releases_openmp_threads_before_fork
+    if _releases_openmp_threads_before_fork:
+        return
+    pause = openmp_pause_function()
+    if pause is not None:
+        os.register_at_fork(before=lambda: pause(OMP_PAUSE_HARD))
+    _releases_openmp_threads_before_fork = True
+
+
+def openmp_pause_function():
+    """`omp_pause_resource_all` of the OpenMP runtime in this process's global symbols (where PyTorch loads its own),
+    or None."""
+    try:
+        pause = ctypes.CDLL(None).omp_pause_resource_all
+    except AttributeError:
+        return None
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
