@@ -4,12 +4,15 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
     python scripts/bench_generate.py --json $OUT/generate.json        # batch 8, 2048-token prompts, 128 new, bf16
     python scripts/bench_generate.py --profile                        # also each model's top kernels and host syncs
     python scripts/bench_generate.py --caches dynamic,static          # also the static cache (compiled decode step)
+    python scripts/bench_generate.py --shape small                    # the ~400M training-benchmark shape
     python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
 
 Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
 cache: `generate()` does so on CUDA with CUDA graphs) of the whole `generate()` and of the prefill alone
 (`max_new_tokens=1`); new tok/s = batch x new tokens / whole time, and the decode step = (whole - prefill) / (new - 1).
-The shapes are those of the serving benchmark (vllm_integration/serving_benchmark). Results: BENCHMARKS.md.
+The `serving` shape (default) is the serving benchmark's ~1B model (vllm_integration/serving_benchmark); `small` is
+the ~400M model of the training step (hidden 1024, 24 layers, 16/4 heads x 64, W 1024), whose shorter steps show what
+the hybrid's decode step costs beyond Mistral's in launches and host work. Results: BENCHMARKS.md.
 """
 
 import argparse
@@ -27,6 +30,11 @@ from modeling import HybridForCausalLM  # noqa: E402
 from modeling.provenance import head_commit  # noqa: E402
 from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config  # noqa: E402
 from vllm_integration.serving_benchmark.driver import FULL, SMOKE  # noqa: E402
+
+SHAPES = {
+    "serving": FULL,
+    "small": dict(FULL, hidden_size=1024, intermediate_size=2816, ssm_intermediate_size=1024, window=1024),
+}
 
 # Runtime calls after which the host waits for the GPU (`.item()`, `.tolist()`, a host-side copy, a sync).
 HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -120,6 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--caches", default="dynamic", help="comma-separated cache implementations: dynamic, static (default dynamic)"
     )
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="serving", help="model shape (default serving)")
     parser.add_argument("--profile", action="store_true", help="also each model's top kernels and host syncs")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths, on CPU in fp32")
     parser.add_argument("--json", help="write the results here")
@@ -134,7 +143,7 @@ def main(argv=None) -> int:
         device, dtype, shape = "cpu", torch.float32, SMOKE
         args.batch, args.prompt_len, args.new_tokens = min(args.batch, 2), min(args.prompt_len, 40), 4
     elif torch.cuda.is_available():
-        device, dtype, shape = "cuda", torch.bfloat16, FULL
+        device, dtype, shape = "cuda", torch.bfloat16, SHAPES[args.shape]
     else:
         parser.error("the full benchmark needs a CUDA GPU (--smoke runs tiny models on CPU)")
 
@@ -165,6 +174,7 @@ def main(argv=None) -> int:
                 "new_tokens": args.new_tokens,
                 "repeats": args.repeats,
                 "dtype": str(dtype),
+                "shape_name": "smoke" if args.smoke else args.shape,
                 "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
                 "attn_implementation": models["hybrid"].config._attn_implementation,
             },

@@ -1,0 +1,164 @@
+"""Times the training step of several trees of this repository in one lease, to find which commit made it slower:
+each tree's own `configuration` and `modeling` in a fresh process, the trees in turn round after round (the order
+reversed every other round), so that drift during the lease falls on all of them alike. Any tree since November
+runs: the probe uses only `HybridConfig`'s fields and `HybridForCausalLM`.
+
+    for rev in 576bc0f 056d2d1 HEAD; do
+      mkdir -p outputs/trees/$rev && git archive $rev modeling configuration | tar -x -C outputs/trees/$rev
+    done
+    python3 scripts/bisect_train_step.py outputs/trees/* --rounds 2 --swa-tree outputs/trees/HEAD \\
+        --profile-trees outputs/trees/576bc0f,outputs/trees/HEAD --json $OUT/bisect.json
+
+The step: a 383M hybrid (hidden 1024, 24 layers, 16/4 heads x 64, W 1024, tied embeddings), B 2 x T 4096 random
+tokens, bf16 weights, fused AdamW, SDPA, no attention mask; the median of 5 steps after 2 warm-ups, with the peak
+memory. `--swa-tree` adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
+tree, one profiled step: its top CUDA kernels and its host syncs.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    sliding_window=1024,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
+HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def worker(use_ssm_branch: bool, profile: bool, steps: int) -> dict:
+    """One tree's step, in this process (the tree first on sys.path)."""
+    import torch
+
+    import modeling
+    from configuration import HybridConfig
+    from modeling import HybridForCausalLM
+
+    tree = Path(os.environ["PYTHONPATH"]).resolve()
+    if tree not in Path(modeling.__file__).resolve().parents:
+        raise RuntimeError(f"imported {modeling.__file__}, not the tree's modeling under {tree}")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = HybridForCausalLM(HybridConfig(**CONFIG, use_ssm_branch=use_ssm_branch)).to(torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    input_ids = torch.randint(0, CONFIG["vocab_size"], (2, 4096), device="cuda")
+
+    def step():
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times = []
+    for i in range(2 + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(1e3 * (time.perf_counter() - start))
+    result = {
+        "step_ms": statistics.median(times),
+        "steps_ms": times,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as profiler
+
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        result["host_syncs"] = sum(event.count for event in events if event.key in HOST_SYNCS)
+        kernels = [event for event in events if event.device_type.name == "CUDA"]
+        result["gpu_kernel_ms"] = sum(event.self_device_time_total for event in kernels) / 1e3
+        result["top_kernels"] = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    return result
+
+
+def run_tree(tree: Path, use_ssm_branch: bool, profile: bool, steps: int) -> dict:
+    command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
+    command += [] if use_ssm_branch else ["--no-ssm"]
+    command += ["--profile"] if profile else []
+    env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trees", nargs="*", type=Path)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--swa-tree", type=Path, help="also this tree with use_ssm_branch=False (the anchor)")
+    parser.add_argument("--profile-trees", default="", help="comma-separated trees to profile one step of, once")
+    parser.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
+    parser.add_argument("--json")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--no-ssm", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps)))
+        return 0
+
+    runs = [(tree, True) for tree in args.trees] + ([(args.swa_tree, False)] if args.swa_tree else [])
+    label = {run: f"{run[0].name}{'' if run[1] else ' (SSM off)'}" for run in runs}
+    results = {label[run]: {"steps_ms": [], "runs": []} for run in runs}
+    started = time.perf_counter()
+
+    def save():
+        if args.json:
+            Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results}, indent=1))
+
+    for tree in filter(None, args.profile_trees.split(",")):
+        run = (Path(tree), True)
+        results[label[run]]["profile"] = profiled = run_tree(Path(tree), True, True, args.steps)
+        print(f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
+              f"of kernels in a {profiled.get('step_ms', 0):.1f} ms step\n{profiled.get('top_kernels', profiled)}",
+              flush=True)
+        save()
+    for round_index in range(args.rounds):
+        for run in runs if round_index % 2 == 0 else runs[::-1]:
+            if time.perf_counter() - started > args.budget_s:
+                break
+            result = run_tree(*run, profile=False, steps=args.steps)
+            results[label[run]]["runs"].append(result)
+            if "step_ms" in result:
+                results[label[run]]["steps_ms"].append(result["step_ms"])
+            print(f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
+                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}", flush=True)
+            save()
+    anchor_times = results[label[runs[-1]]]["steps_ms"] if args.swa_tree else []
+    anchor = statistics.median(anchor_times) if anchor_times else None
+    print(f"\n{'tree':24s} {'median of runs':>15s} {'runs':>30s} {'SSM-off / it':>13s}")
+    for run in runs:
+        times = results[label[run]]["steps_ms"]
+        if not times:
+            continue
+        ratio = f"{anchor / statistics.median(times):.3f}x" if anchor else ""
+        runs_text = " ".join(f"{t:.1f}" for t in times)
+        print(f"{label[run]:24s} {statistics.median(times):12.1f} ms {runs_text:>30s} {ratio:>13s}")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
