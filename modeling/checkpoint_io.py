@@ -6,6 +6,7 @@ first: nothing here draws a progress bar that an error could follow."""
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -148,10 +149,23 @@ def check_tensors(tensors: dict[str, torch.Tensor], expected: dict[str, tuple], 
             raise CheckpointError(f"{name} holds NaN or infinite values{where}")
 
 
+def resolve_path(path: Path) -> Path:
+    """`path.resolve()` for a path that may not exist yet (an output), one that cannot be resolved (a symlink loop on
+    it or on a directory above it) being a `CheckpointError` naming it: for a loop, Python 3.12 and older raise
+    RuntimeError in `resolve` and 3.13 returns the path half-resolved, so `stat` (ELOOP) is what finds it."""
+    try:
+        path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        raise CheckpointError(f"cannot resolve {path}: {error.strerror}") from None
+    return path.resolve()
+
+
 def refuse_output_dir(input_dir: Path, out_dir: Path, force: bool) -> None:
-    """Before any work: an output that is the input, lies inside it, or holds it (which `--force` would delete) is
-    refused, and so is an existing one without `force`."""
-    source, target = input_dir.resolve(), out_dir.resolve()
+    """Before any work: a path that cannot be resolved is refused, as is an output that is the input, lies inside it,
+    or holds it (which `--force` would delete), and an existing one without `force`."""
+    source, target = resolve_path(input_dir), resolve_path(out_dir)
     if target == source:
         raise CheckpointError(f"{out_dir} is the input checkpoint itself; write the output elsewhere")
     if target.is_relative_to(source):
@@ -214,6 +228,6 @@ def output_dtype(tensors: dict[str, torch.Tensor], dtype_name: str | None) -> to
         return DTYPES[dtype_name]
     dtype = tensors["model.embed_tokens.weight"].dtype
     if dtype == torch.float64:
-        print("float64 checkpoint: writing float32 (pass --dtype to choose)")
+        print("float64 checkpoint: writing float32 (pass --dtype to choose)", file=sys.stderr)
         return torch.float32
     return dtype

@@ -1,7 +1,9 @@
 """The vLLM converter (vllm_integration/convert.py, CLI scripts/convert_to_vllm.py): the exact tensor mapping, and
 every kind of bad input refused cleanly."""
 
+import errno
 import json
+import os
 import subprocess
 import sys
 
@@ -283,11 +285,13 @@ def test_a_sharded_checkpoint_converts_as_the_unsharded_one(hf_dir, tmp_path):
 def test_a_float64_checkpoint_is_written_as_float32(hf_dir, tmp_path, capsys):
     corrupt_tensors(hf_dir, lambda t: t.update({name: tensor.double() for name, tensor in t.items()}))
     assert convert.main([str(hf_dir), str(tmp_path / "out")]) == 0
-    assert "float64 checkpoint: writing float32" in capsys.readouterr().out
+    output = capsys.readouterr()  # the note is a diagnostic, on stderr; stdout has the result only
+    assert output.out.splitlines() == [f"wrote the vLLM checkpoint to {tmp_path / 'out'}"]
+    assert output.err.splitlines() == ["float64 checkpoint: writing float32 (pass --dtype to choose)"]
     assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
     assert convert.main([str(hf_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
-    assert "float64 checkpoint" not in capsys.readouterr().out
+    assert "float64 checkpoint" not in capsys.readouterr().err
     assert load_file(tmp_path / "bf16" / "model.safetensors")[EMBED].dtype == torch.bfloat16
 
 
@@ -309,6 +313,37 @@ def test_an_output_overlapping_the_input_is_refused_even_with_force(tmp_path, wh
     assert_refused(returncode, capsys.readouterr().err, message)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["above"]
+
+
+# where -> (HF_DIR, OUT_DIR, the path the error line names), under tmp_path holding `hf`, `loop` -> `loop` and the
+# two-link loop `a` -> `b` -> `a`
+SYMLINK_LOOPS = {
+    "input is a loop": ("loop", "out", "loop"),
+    "input under a two-link loop": ("a/hf", "out", "a/hf"),
+    "output is a loop": ("hf", "loop", "loop"),
+    "output under a two-link loop": ("hf", "a/out", "a/out"),
+}
+
+
+@pytest.mark.parametrize("where", sorted(SYMLINK_LOOPS))
+def test_a_path_through_a_symlink_loop_is_refused_with_one_line(hf_dir, tmp_path, where, capsys):
+    """A symlink loop is no directory to read or to write (pathlib's resolve raised RuntimeError for it: a
+    traceback); `--force` replaces no output it cannot resolve."""
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "a").symlink_to("b")
+    (tmp_path / "b").symlink_to("a")
+    source, out, looping = (tmp_path / path for path in SYMLINK_LOOPS[where])
+    returncode = convert.main([str(source), str(out), "--force"])
+    assert_refused(returncode, capsys.readouterr().err, f"{looping}: {os.strerror(errno.ELOOP)}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "hf", "loop"], "something was written"
+    assert all(p.is_symlink() for p in (tmp_path / "loop", tmp_path / "a", tmp_path / "b"))
+
+
+def test_the_symlink_loop_error_is_the_only_stderr_line_of_the_script(tmp_path):
+    (tmp_path / "loop").symlink_to("loop")
+    result = run_converter(tmp_path / "loop", tmp_path / "out")
+    assert_refused(result.returncode, result.stderr, f"{tmp_path / 'loop'}: {os.strerror(errno.ELOOP)}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027, 0o002], ids=oct)

@@ -317,5 +317,5 @@ def test_a_float64_source_is_written_as_float32(tmp_path, capsys):
     torch.manual_seed(11)
     source = MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)).double()
     assert upcycling.main([str(save_source(source, tmp_path / "src")), str(tmp_path / "out")]) == 0
-    assert "float64 checkpoint: writing float32" in capsys.readouterr().out
+    assert "float64 checkpoint: writing float32" in capsys.readouterr().err
     assert {t.dtype for t in load_file(tmp_path / "out" / "model.safetensors").values()} == {torch.float32}

@@ -5,7 +5,7 @@ What changes (vLLM's layout, nothing of the function):
   * q/k/v_proj are fused into `self_attn.qkv_proj`, gate/up_proj into `mlp.gate_up_proj` (layout.py's
     `STACKED_PROJECTIONS`, in the shard order of vLLM's fused-layer loaders);
   * every tensor is cast to `--dtype` (default: the checkpoint's own; a float64 checkpoint is written as float32,
-    with a note: vLLM serves no float64), except A_log and D, which stay fp32 as the kernels read them.
+    with a note on stderr: vLLM serves no float64), except A_log and D, which stay fp32 as the kernels read them.
 The SSM tensors keep their Transformers names and values: vLLM's loader renames them and computes A = -exp(A_log)
 (layout.py), for a converted checkpoint as for a Transformers one.
 Inputs are float32, bfloat16 or float16 (or float64) tensors, in one file or in shards with their index. Every tensor
@@ -13,8 +13,8 @@ is checked first (present, expected shape, dtype, finite, nothing unknown; in on
 and so is every tensor converted (finite after the cast, and A = -exp(A_log) finite in fp32: a weight beyond float16's
 range is refused, not written as inf). The output is written to a temporary directory next to OUT_DIR, with the mode
 `mkdir` gives, and renamed at the end; OUT_DIR is never overwritten without `--force`, and is never the input, inside
-it or above it. Tokenizer and generation files are copied. A bad input is refused with one `error:` line and exit
-code 2.
+it or above it. Tokenizer and generation files are copied. A bad input, or an input or output path that cannot be
+resolved (a symlink loop), is refused with one `error:` line and exit code 2.
 """
 
 import argparse
