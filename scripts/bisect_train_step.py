@@ -12,16 +12,20 @@ runs: the probe uses only `HybridConfig`'s fields and `HybridForCausalLM`.
 The step: a 383M hybrid (hidden 1024, 24 layers, 16/4 heads x 64, W 1024, tied embeddings), B 2 x T 4096 random
 tokens, bf16 weights, fused AdamW, SDPA, no attention mask; the median of 5 steps after 2 warm-ups, with the peak
 memory. `--swa-tree` adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
-tree, one profiled step: its top CUDA kernels and its host syncs.
+tree, one profiled step: its top CUDA kernels and its host syncs; `--sync-sites` lists where each tree's hybrid and
+SSM-off steps make the host wait for the GPU (PyTorch's sync debug mode, with the Python stack of each).
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 CONFIG = dict(
@@ -39,7 +43,27 @@ CONFIG = dict(
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def worker(use_ssm_branch: bool, profile: bool, steps: int) -> dict:
+def sync_sites(step) -> dict[str, int]:
+    """The Python stacks (innermost frames) of the ops in one `step()` that synchronize the host with the GPU."""
+    import torch
+
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-2]]
+        sites[" <- ".join(reversed(frames[-6:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        step()
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+    return dict(sites.most_common())
+
+
+def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False) -> dict:
     """One tree's step, in this process (the tree first on sys.path)."""
     import torch
 
@@ -77,6 +101,8 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int) -> dict:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if find_syncs:
+        result["sync_sites"] = sync_sites(step)
     if profile:
         from torch.profiler import ProfilerActivity, profile as profiler
 
@@ -91,10 +117,11 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int) -> dict:
     return result
 
 
-def run_tree(tree: Path, use_ssm_branch: bool, profile: bool, steps: int) -> dict:
+def run_tree(tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False) -> dict:
     command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
     command += [] if use_ssm_branch else ["--no-ssm"]
     command += ["--profile"] if profile else []
+    command += ["--sync-sites"] if find_syncs else []
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
     if done.returncode != 0:
@@ -109,6 +136,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--swa-tree", type=Path, help="also this tree with use_ssm_branch=False (the anchor)")
     parser.add_argument("--profile-trees", default="", help="comma-separated trees to profile one step of, once")
+    parser.add_argument("--sync-sites", action="store_true", help="list where the trees' steps wait for the GPU")
     parser.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
     parser.add_argument("--json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
@@ -116,7 +144,15 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps)))
+        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites)))
+        return 0
+    if args.sync_sites:
+        for tree in args.trees:
+            for use_ssm_branch in (True, False):
+                result = run_tree(tree, use_ssm_branch, profile=False, steps=1, find_syncs=True)
+                print(f"== {tree.name} {'hybrid' if use_ssm_branch else 'SSM off'}: {result.get('error', '')}")
+                for site, count in result.get("sync_sites", {}).items():
+                    print(f"{count:4d}  {site}")
         return 0
 
     runs = [(tree, True) for tree in args.trees] + ([(args.swa_tree, False)] if args.swa_tree else [])
