@@ -156,7 +156,7 @@ def main() -> int:
         return 0
 
     runs = [(tree, True) for tree in args.trees] + ([(args.swa_tree, False)] if args.swa_tree else [])
-    label = {run: f"{run[0].name}{'' if run[1] else ' (SSM off)'}" for run in runs}
+    label = {run: f"{run[0].resolve().name}{'' if run[1] else ' (SSM off)'}" for run in runs}
     results = {label[run]: {"steps_ms": [], "runs": []} for run in runs}
     started = time.perf_counter()
 

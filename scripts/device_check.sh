@@ -10,6 +10,9 @@
 #                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
 #                                          # runner; `VLLM_USE_V2_MODEL_RUNNER=1 bash ... vllm` runs the same
 #                                          # tests on Model Runner V2 (the engines inherit the environment)
+#   bash scripts/device_check.sh steps     # the training step against the same model with the SSM branch off (3
+#                                          # rounds, one profiled step) and generate() at the small shape against
+#                                          # Mistral, static and dynamic caches
 #   bash scripts/device_check.sh startup   # scripts/check_engine_start.py (vLLM staged): build, save and convert a
 #                                          # ~1B model, then LLM() with vLLM's defaults in the same process, under a
 #                                          # time limit (a hang fails it)
@@ -76,6 +79,14 @@ case "${1:-kernels}" in
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|Error|assert" "$OUT/pytest_vllm.log" | tail -30
     exit $status
     ;;
+  steps)
+    python3 scripts/bisect_train_step.py . --swa-tree . --rounds 3 --profile-trees . --budget-s 200 \
+      --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -6
+    train_status=${PIPESTATUS[0]}
+    timeout 330 python3 scripts/bench_generate.py --shape small --caches static,dynamic --repeats 3 \
+      --json "$OUT/generate_small.json" 2>&1 | tee "$OUT/generate_small.log" | tail -8
+    exit $((train_status || PIPESTATUS[0]))
+    ;;
   startup)
     export VLLM_USE_FLASHINFER_SAMPLER=0
     timeout 420 python3 scripts/check_engine_start.py /tmp/engine_start 2>&1 | tee "$OUT/engine_start.log" \
@@ -116,7 +127,7 @@ case "${1:-kernels}" in
     exit $((tests_status || serving_status))
     ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm [K]|startup|serving ARGS|both K ARGS" >&2
+    echo "usage: $0 kernels|sweep|vllm [K]|steps|startup|serving ARGS|both K ARGS" >&2
     exit 2
     ;;
 esac
