@@ -22,6 +22,8 @@ from transformers.cache_utils import (
     LinearAttentionAndStaticFullAttentionLayer,
     LinearAttentionAndStaticSlidingWindowAttentionLayer,
     StaticCache,
+    StaticLayer,
+    StaticSlidingWindowLayer,
 )
 from transformers.generation import GenerationMixin
 from transformers.masking_utils import (
@@ -97,6 +99,15 @@ class HybridCache(DynamicCache):
         Cache.__init__(self, layers=layers)
 
 
+class HybridStaticFullAttentionLayer(LinearAttentionAndStaticFullAttentionLayer):
+    # The SSM mixin comes first in the MRO and reports no maximum (-1) for the whole layer: give the buffer's length.
+    get_max_length = StaticLayer.get_max_length
+
+
+class HybridStaticSlidingWindowAttentionLayer(LinearAttentionAndStaticSlidingWindowAttentionLayer):
+    get_max_length = StaticSlidingWindowLayer.get_max_length
+
+
 class HybridStaticCache(StaticCache):
     """`HybridCache` with buffers of fixed shapes, for `torch.compile` and CUDA graphs
     (`generate(cache_implementation="static")`): per layer, Transformers' static hybrid layer, the attention KV in a
@@ -110,9 +121,9 @@ class HybridStaticCache(StaticCache):
 
     def __init__(self, config: HybridConfig, max_cache_len: int):
         layers = [
-            LinearAttentionAndStaticSlidingWindowAttentionLayer(max_cache_len, config.sliding_window)
+            HybridStaticSlidingWindowAttentionLayer(max_cache_len, config.sliding_window)
             if layer_type == "sliding_attention"
-            else LinearAttentionAndStaticFullAttentionLayer(max_cache_len)
+            else HybridStaticFullAttentionLayer(max_cache_len)
             for layer_type in config.layer_types
         ]
         Cache.__init__(self, layers=layers)
@@ -368,9 +379,10 @@ class HybridPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # The SSM state cannot be rolled back: no assisted generation, no cache cropping.
     _is_stateful = True
-    # Not the whole model: only a decode step on the kernels traces as one graph (HybridStaticCache); the prefill's
-    # autograd functions and the references' Python loops break it.
-    _can_compile_fullgraph = False
+    # What generate() compiles, a decode step on the HybridStaticCache, traces as one graph: on the kernels (their
+    # custom ops, torch.ops.hybrid_ssm.*) and on the references (tensor code, no branch on the slots' values). Prefill
+    # runs eagerly in generate(); it is not claimed here.
+    _can_compile_fullgraph = True
     _can_record_outputs = {
         "hidden_states": HybridDecoderLayer,
         "attentions": HybridAttention,
@@ -508,13 +520,16 @@ class HybridModel(HybridPreTrainedModel):
             1 for tokens to attend to, 0 for padding. Padding also never enters the SSM state; with left padding, a row
             gives exactly what the unpadded prompt alone gives.
         past_key_values (`HybridCache`, *optional*):
-            Attention KV and SSM states of the tokens seen so far; created when `use_cache` and none is given.
+            Attention KV and SSM states of the tokens seen so far; created when `use_cache` and none is given, except
+            in training mode.
         """
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
+        # A training forward builds no cache unless given one (Mamba's default in Transformers): filling it would copy
+        # every layer's states for nothing, and its sliding layers' first update waits for the GPU.
+        if use_cache and past_key_values is None and not self.training:
             past_key_values = HybridCache(self.config)
         if (
             past_key_values is not None

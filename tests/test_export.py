@@ -1,12 +1,18 @@
-"""`torch.export` of the causal LM (CPU reference path, fp32, no cache): the exported program gives eager's logits,
-with a left-padded mask (the padding amount is data, not baked into the graph) and without one.
+"""`torch.export` of the causal LM (CPU reference path, fp32): the exported program gives eager's logits, with a
+left-padded mask (the padding amount is data, not baked into the graph) and without one.
 
-With a cache it does not export: `HybridCache` is no pytree node (Transformers' `register_dynamic_cache_export_support`
-covers plain attention layers only), so these export with `use_cache=False`.
+A bare `torch.export.export(model, ...)` with a cache does not export (`HybridCache` is no pytree node of its own), so
+those export with `use_cache=False`; generation exports through Transformers' exporter, which registers the caches'
+layers as pytrees and splits `generate()` into its prefill and decode steps, as ExecuTorch users do.
 """
+
+import copy
 
 import pytest
 import torch
+from transformers import GenerationConfig
+from transformers.exporters.exporter_dynamo import DynamoConfig, DynamoExporter
+from transformers.exporters.utils import decompose_for_generation, get_leaf_tensors
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -46,3 +52,25 @@ def test_exported_program_without_a_mask_equals_eager(make_model):
         for ids in (input_ids, other_ids):
             expected = model(input_ids=ids, use_cache=False).logits
             torch.testing.assert_close(exported(input_ids=ids, use_cache=False).logits, expected, **TOL)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["hybrid-cache", "static-cache"])
+def test_exported_generation_steps_equal_eager(make_model, cache_implementation):
+    """Transformers' exporter on generate(): the prefill and the one-token decode step (the SSM's decode ops, in place
+    on the cache) each export with torch.export and give eager's logits and caches. The decode step once failed here
+    on a Python branch over the slots' values in the conv update reference (`GuardOnDataDependentSymNode`)."""
+    model = make_model()
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": input_ids, "attention_mask": left_padded_mask(2, 9, pads=[3, 0])}
+    generation_config = GenerationConfig(cache_implementation=cache_implementation) if cache_implementation else None
+    with torch.no_grad():
+        steps = decompose_for_generation(model, inputs, generation_config=generation_config)
+    assert set(steps) == {"prefill", "decode"}
+    for name, (module, step_inputs) in steps.items():
+        with torch.no_grad():
+            expected = get_leaf_tensors(module(**copy.deepcopy(step_inputs)))
+            exported = DynamoExporter().export(module, step_inputs, config=DynamoConfig(dynamic=False))
+            got = get_leaf_tensors(exported.module()(**copy.deepcopy(step_inputs)))
+        assert got.keys() == expected.keys(), name
+        assert any("conv_states" in key for key in got), f"{name}: the SSM states are among the outputs"
+        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{name}: {m}")

@@ -36,6 +36,22 @@ def test_gradients_reach_every_parameter(make_model):
         assert param.grad.abs().sum() > 0, name
 
 
+def test_a_training_forward_builds_no_cache_unless_given_one(make_model):
+    """In training mode the model fills no cache of its own (each sliding layer's first update waits for the GPU, and
+    every layer's states would be copied for nothing); its loss is the eval forward's, and a cache passed in is
+    still filled."""
+    from modeling import HybridCache
+
+    model, batch = make_model(), batch_of_random_tokens()
+    expected = model.eval()(**batch).loss
+    out = model.train()(**batch)
+    assert out.past_key_values is None
+    torch.testing.assert_close(out.loss, expected, rtol=0, atol=0)
+    cache = HybridCache(model.config)
+    assert model(**batch, past_key_values=cache).past_key_values is cache
+    assert cache.get_seq_length() == batch["input_ids"].shape[1]
+
+
 def test_a_few_steps_lower_the_loss(make_model):
     losses = losses_while_training(make_model().train(), batch_of_random_tokens(), steps=8, lr=3e-3)
     assert losses[-1] < 0.8 * losses[0]

@@ -129,6 +129,29 @@ def causal_conv1d_varlen_ref(
     return out
 
 
+def write_slots_(cache: torch.Tensor, rows: torch.Tensor, state_indices: torch.Tensor) -> None:
+    """cache[state_indices[r]] = rows[r] for every row r whose slot is >= 0, in place, without a host sync or a branch
+    on the indices (so that a decode step exports and compiles as one graph); padding rows (-1) change nothing.
+
+    Exact with repeated destinations: a padding row is clamped to slot 0 and writes there what slot 0 ends up holding
+    (the real row's new value if one names slot 0, else its current value), so every write to a slot carries the same
+    value and their order does not matter. A slot named by several real rows takes the last one's (rows of one step
+    name distinct slots, as the kernels assume).
+
+    Args:
+        cache: [slots, ...] any strides. rows: [R, ...] the new contents. state_indices: [R] int32 or int64.
+    """
+    num_slots, num_rows = cache.shape[0], rows.shape[0]
+    real = state_indices >= 0  # [R]
+    slots = state_indices.clamp(min=0).long()  # [R]
+    # The row whose value each slot receives, -1 for none; padding rows aim at the spare entry `num_slots`.
+    writer = torch.full((num_slots + 1,), -1, dtype=torch.long, device=cache.device)
+    writer.scatter_reduce_(0, torch.where(real, slots, num_slots), torch.arange(num_rows, device=cache.device), "amax")
+    source = writer[slots]  # [R]
+    keeps = (source < 0).view(-1, *[1] * (cache.dim() - 1))  # [R, 1, ...]: a padding row on a slot nobody writes
+    cache[slots] = torch.where(keeps, cache[slots], rows[source.clamp(min=0)].to(cache.dtype))
+
+
 def causal_conv1d_update_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -140,13 +163,15 @@ def causal_conv1d_update_ref(
     *,
     has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step per request (reference of `causal_conv1d_update`).
+    """One decode step per request (reference of `causal_conv1d_update`). Tensor code throughout, no branch on the
+    indices' values: a decode step on it exports (`torch.export`) and compiles as one graph.
 
     Args:
         x: [R, E] the new token of each request, any strides.
         weight: [E, K]. bias: [E] or None.
         conv_state: [slots, E, K-1], any strides; the request's slot is shifted by one and receives x (in place).
-        state_indices: [R] int32 or int64 slot per request; -1 marks a padding row (output zeros, no state touched).
+        state_indices: [R] int32 or int64 slot per request (distinct slots); -1 marks a padding row (output zeros, no
+            state touched).
         out: [R, E] written in place when given.
         has_initial_state: [R] bool; False: the request's first token (its history is zeros whatever the slot
             holds; the slot is written as usual). None: every request continues from its slot.
@@ -156,13 +181,12 @@ def causal_conv1d_update_ref(
     """
     check_activation(activation)
     out = torch.empty_like(x) if out is None else out
-    out.zero_()
-    continues = [True] * len(state_indices) if has_initial_state is None else has_initial_state.tolist()
-    for row, (slot, continues_from_slot) in enumerate(zip(state_indices.tolist(), continues)):
-        if slot < 0:
-            continue
-        history = conv_state[slot] if continues_from_slot else conv_state.new_zeros(conv_state.shape[1:])
-        window = torch.cat([history.float(), x[row, :, None].float()], dim=-1)  # [E, K]
-        out[row] = _depthwise_causal(window[None], weight.float(), bias, activation)[0, :, 0]
-        conv_state[slot] = window[:, 1:].to(conv_state.dtype)
+    valid = state_indices >= 0  # [R]
+    history = conv_state[state_indices.clamp(min=0).long()].float()  # [R, E, K-1]; a padding row reads slot 0, unused
+    if has_initial_state is not None:
+        history = torch.where(has_initial_state[:, None, None], history, 0.0)
+    window = torch.cat([history, x[:, :, None].float()], dim=-1)  # [R, E, K]
+    y = _depthwise_causal(window, weight.float(), bias, activation)[..., 0]  # [R, E]
+    out.copy_(torch.where(valid[:, None], y, 0.0))
+    write_slots_(conv_state, window[..., 1:], state_indices)
     return out

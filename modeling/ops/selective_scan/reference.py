@@ -19,6 +19,8 @@ the decode step (`selective_state_update_ref`, a scan of length one per request)
 import torch
 import torch.nn.functional as F
 
+from ..causal_conv1d.reference import write_slots_
+
 
 def dt_step(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
     """The step of the recurrence from the `dt` argument, in fp32 (the module docstring's rule)."""
@@ -179,29 +181,22 @@ def selective_state_update_ref(
         dt: [B, E] raw `dt_proj` output WITHOUT its bias: the step is `softplus(dt + dt_bias)`, in fp32.
         A:  [E, N] fp32 negative decay rates.   B, C: [B, N] projections of the state.
         D:  [E] skip connection.   z: [B, E] gate.   dt_bias: [E].
-        state_indices: [B] int32/int64 slot of each request; -1 marks a padding row.
+        state_indices: [B] int32/int64 slot of each request (distinct slots); -1 marks a padding row.
         out: [B, E] written with `y * silu(z)` (zeros for padding rows) and returned.
         has_initial_state: [B] bool; False: the request's first token, which starts from a zero state whatever its
             slot holds (the slot is written as usual). None: every request continues from its slot.
     """
     valid = state_indices >= 0  # [B]
-    slots = state_indices[valid].long()  # [B']
-    initial_state = ssm_state[slots].float()
+    # Every row runs (tensor code, no branch on the indices: a decode step exports and compiles as one graph); a
+    # padding row reads slot 0, and neither its output nor its state is kept.
+    initial_state = ssm_state[state_indices.clamp(min=0).long()].float()  # [B, E, N]
     if has_initial_state is not None:
-        initial_state[~has_initial_state[valid]] = 0.0
-    step = F.softplus(dt[valid].float() + dt_bias.float())  # [B', E]
-    # A decode is a scan of length one: [B', E] -> [B', 1, E] (and [B', N] -> [B', 1, N]).
+        initial_state = torch.where(has_initial_state[:, None, None], initial_state, 0.0)
+    step = F.softplus(dt.float() + dt_bias.float())  # [B, E]
+    # A decode is a scan of length one: [B, E] -> [B, 1, E] (and [B, N] -> [B, 1, N]).
     y, state = selective_scan_ref(
-        u[valid, None],
-        step[:, None],
-        A,
-        B[valid, None],
-        C[valid, None],
-        D,
-        z[valid, None],
-        initial_state=initial_state,
+        u[:, None], step[:, None], A, B[:, None], C[:, None], D, z[:, None], initial_state=initial_state
     )
-    out.zero_()
-    out[valid] = y[:, 0].to(out.dtype)
-    ssm_state[slots] = state.to(ssm_state.dtype)
+    out.copy_(torch.where(valid[:, None], y[:, 0], 0.0))
+    write_slots_(ssm_state, state, state_indices)
     return out
