@@ -27,6 +27,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bisect_train_step import CONFIG as TRAIN_STEP_CONFIG  # noqa: E402  (the training step's model, one place)
 from modeling.ops.triton_utils import interpreter_bf16_dot  # noqa: E402
 
 DEVICE = "cuda"
@@ -108,20 +109,8 @@ def bench_train_step(args) -> list[Row]:
     from modeling import HybridForCausalLM
 
     def config(**overrides):
-        fields = dict(
-            vocab_size=32000,
-            hidden_size=1024,
-            intermediate_size=2816,
-            num_hidden_layers=24,
-            num_attention_heads=16,
-            num_key_value_heads=4,
-            head_dim=64,
-            sliding_window=args.train_window,
-            max_position_embeddings=args.train_seq_len,
-            tie_word_embeddings=True,
-        )
-        fields.update(overrides)
-        return HybridConfig(**fields)
+        fields = dict(TRAIN_STEP_CONFIG, sliding_window=args.train_window, max_position_embeddings=args.train_seq_len)
+        return HybridConfig(**fields, **overrides)
 
     variants = [
         ("SSM branch off (SWA only)", dict(use_ssm_branch=False)),
