@@ -22,6 +22,7 @@ from modeling.lm_benchmark.evaluation import (
     evaluation_sequences,
     loss_by_position,
     loss_with_short_context,
+    loss_with_ssm_reset,
     passkey_accuracy,
     passkey_probes,
 )
@@ -171,6 +172,35 @@ def test_short_context_loss_sees_at_most_2w_tokens():
     np.testing.assert_allclose(short[2 * window :], whole[2 * window :], atol=1e-5)
 
 
+def test_ssm_reset_loss_restarts_the_branch_alone_between_d_and_2d_tokens_back():
+    """The prediction from t carries in the SSM only tokens b..t, b = (t // D - 1) * D, and in the attention its
+    whole window: against a naive loop that restarts the branch at b on each prefix alone (exact for one layer; deeper,
+    the attention also reads earlier positions' branches, which the two passes restart on their own grid)."""
+    history, window = 6, 8
+    sequences = torch.randint(0, 97, (3, 41), generator=torch.Generator().manual_seed(3))
+    hybrid = tiny_model(use_ssm_branch=True, num_hidden_layers=1, window=window)
+    reset = loss_with_ssm_reset(hybrid, sequences, history, batch_size=2)
+    assert np.isnan(reset[:history]).all() and not np.isnan(reset[history:]).any()
+    with torch.no_grad():
+        for t in range(history, 40):
+            b = (t // history - 1) * history
+            seq_idx = (torch.arange(t + 1) >= b).long().expand(3, -1).contiguous()
+            logits = hybrid(input_ids=sequences[:, : t + 1], seq_idx=seq_idx).logits[:, -1]
+            assert reset[t] == pytest.approx(F.cross_entropy(logits, sequences[:, t + 1]).item(), abs=1e-5), t
+    whole = loss_by_position(hybrid, sequences, batch_size=2)
+    assert np.abs(whole - reset)[2 * history :].max() > 1e-3  # the branch carries what is older than D
+
+    # With the branches' output at zero the attention alone predicts: the restarts change nothing (they never cut it).
+    hybrid = tiny_model(use_ssm_branch=True, num_hidden_layers=2, window=window)
+    for layer in hybrid.model.layers:
+        torch.nn.init.zeros_(layer.self_attn.ssm.out_proj.weight)
+    np.testing.assert_allclose(
+        loss_with_ssm_reset(hybrid, sequences, history, 2)[history:],
+        loss_by_position(hybrid, sequences, 2)[history:],
+        atol=1e-5,
+    )
+
+
 def test_context_gain_per_bucket():
     shape = Shape(window=4, context=64)
     whole = np.linspace(3.0, 2.0, 63)
@@ -268,6 +298,8 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
         assert list(evaluation["context_beyond_2W"]) == ["[2W,4W)", "[4W,16W)"]
         assert result["train"]["tokens_per_second"] > 0
         assert (evaluation["ssm_memory"] is not None) == (model == "hybrid")
+        # W 16, T 128: the branch restarted W and 2W back (4W leaves no position >= 8W inside T).
+        assert list(evaluation["ssm_beyond_reset"]) == (["1W", "2W"] if model == "hybrid" else [])
     assert results["hybrid"]["parameters"] > results["swa"]["parameters"] == results["full"]["parameters"]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "data" / "tokenizer")
     # EOS separates the files and must train: the padding token (whose embedding stays zero) is another one.

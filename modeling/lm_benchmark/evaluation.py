@@ -1,5 +1,6 @@
 """Evaluation on the held-out files: the loss by position and in buckets of the window W, the same loss with the
-context cut to the last 2W tokens, passkey probes at distances W/2 .. 16W, and how long the SSM branch remembers."""
+context cut to the last 2W tokens and with the SSM branch restarted W, 2W or 4W tokens back, passkey probes at
+distances W/2 .. 16W, and how long the SSM branch remembers."""
 
 import itertools
 import math
@@ -52,6 +53,57 @@ def loss_with_short_context(model, sequences: torch.Tensor, window: int, batch_s
         last = min(first + window, length - 1)
         losses[first:last] = chunk_losses[window : window + last - first]
     return losses
+
+
+@torch.no_grad()
+def loss_with_ssm_reset(model, sequences: torch.Tensor, history: int, batch_size: int) -> np.ndarray:
+    """Like `loss_by_position`, with the attention unchanged (its whole window) but the history branch's state and
+    conv history restarted so that the prediction from position t >= `history` carries in the SSM only tokens
+    b..t, b = (t // history - 1) * history: between `history` and 2 * `history` tokens. Against the whole-file loss
+    this is what the branch alone draws from older context (the short-context measure also cuts the attention's
+    relays across layers). Two forwards: restarts at even multiples of `history` serve the positions t with
+    t // history odd, restarts at odd multiples the others (through the model's `seq_idx`, as packed training
+    restarts the branch). In a model of several layers the attention also reads earlier positions' branches, each
+    restarted on the same grid (at most 2 * `history` tokens before its own position). Entries t < `history` are NaN.
+    Returns [T-1]."""
+    device = next(model.parameters()).device
+    length = sequences.shape[1]
+    positions = torch.arange(length)
+    segment = positions // history
+    total = torch.zeros(length - 1, dtype=torch.float64)
+    for parity in (0, 1):
+        seq_idx = ((positions + parity * history) // (2 * history)).expand(batch_size, -1)
+        served = (segment[:-1] % 2 == 1 - parity) & (segment[:-1] >= 1)  # [T-1]: whose restart is this pass's
+        for start in range(0, len(sequences), batch_size):
+            ids = sequences[start : start + batch_size].to(device)
+            with autocast():
+                logits = model(input_ids=ids, seq_idx=seq_idx[: len(ids)].contiguous().to(device)).logits[:, :-1]
+            losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none").sum(0)
+            total += torch.where(served, losses.double().cpu(), 0.0)
+    losses = (total / len(sequences)).numpy()
+    losses[:history] = np.nan
+    return losses
+
+
+def ssm_reset_gain(model, sequences: torch.Tensor, losses: np.ndarray, shape: Shape, batch_size: int) -> dict:
+    """For the history branch restarted D = W, 2W, 4W tokens back (`loss_with_ssm_reset`), over the positions
+    >= 2D: the whole-file loss, the loss with the reset, and their difference (what the branch carries from beyond
+    D to 2D tokens back). Empty for a model without the branch."""
+    if not (isinstance(model, HybridForCausalLM) and model.config.use_ssm_branch):
+        return {}
+    gains = {}
+    for multiple in (1, 2, 4):
+        history = multiple * shape.window
+        if 2 * history >= shape.context - 1:
+            continue
+        reset = loss_with_ssm_reset(model, sequences, history, batch_size)
+        whole, without = float(losses[2 * history :].mean()), float(reset[2 * history :].mean())
+        gains[f"{multiple}W"] = {
+            "whole_file": round(whole, 4),
+            "ssm_reset": round(without, 4),
+            "gain": round(without - whole, 4),
+        }
+    return gains
 
 
 def position_buckets(window: int, context: int) -> dict[str, tuple[int, int]]:
@@ -209,6 +261,7 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
         "context_beyond_2W": context_gain(
             losses, loss_with_short_context(model, sequences, shape.window, args.eval_batch_size), shape
         ),
+        "ssm_beyond_reset": ssm_reset_gain(model, sequences, losses, shape, args.eval_batch_size),
         "passkey": {},
     }
     for multiple in (0.5, 2, 4, 8, 16):

@@ -53,6 +53,22 @@ def print_table(results: list[dict]) -> None:
                 for g in r["eval"]["context_beyond_2W"].values()
             ]
             print(f"| {label(r)} | " + " | ".join(cells) + " |")
+    with_reset = [r for r in results if r["eval"].get("ssm_beyond_reset")]
+    if with_reset:
+        print("\nloss at positions >= 2D, whole file / the SSM branch restarted D..2D tokens back (attention unchanged;")
+        print("gain: what the branch alone carries from beyond D)")
+        distances = list(with_reset[0]["eval"]["ssm_beyond_reset"])
+        print("| model | " + " | ".join(f"D = {d}" for d in distances) + " |")
+        print("|" + "---|" * (len(distances) + 1))
+        for r in with_reset:
+            gains = r["eval"]["ssm_beyond_reset"]
+            cells = [
+                f"{gains[d]['whole_file']:.4f} / {gains[d]['ssm_reset']:.4f} (gain {gains[d]['gain']:+.4f})"
+                if d in gains
+                else "-"
+                for d in distances
+            ]
+            print(f"| {label(r)} | " + " | ".join(cells) + " |")
     print_gap_recovered(results)
 
 
