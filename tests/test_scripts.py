@@ -15,7 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from modeling import HybridForCausalLM, training
 from modeling.recall_task import QUERY, RecallTask, small_recall_config
 
-DEMO_TEST_STEPS = 500
+# The hybrid learns the recall in a sudden transition, whose step moves with the CPU's floating-point arithmetic: on
+# the 2026-12-03 CI machine seed 1 was at 0.865 after 500 steps (the same on the tree that passed CI before) and at
+# 1.000 after 700.
+DEMO_TEST_STEPS = 700
 SCRIPTS = sorted(path.name for path in (REPO_ROOT / "scripts").glob("*.py"))
 
 
