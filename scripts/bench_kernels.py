@@ -27,7 +27,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bisect_train_step import CONFIG as TRAIN_STEP_CONFIG  # noqa: E402  (the training step's model, one place)
+from bisect_train_step import CONFIG as TRAIN_STEP_CONFIG, step_times_ms, training_step  # noqa: E402  (one probe)
 from modeling.ops.triton_utils import interpreter_bf16_dot  # noqa: E402
 
 DEVICE = "cuda"
@@ -89,19 +89,8 @@ def measure_ceilings(copy_elements=2**29, matmul_n=8192) -> tuple[list[Row], dic
 
 def median_train_step_ms(model, args) -> float:
     """Median wall time of a full step (forward, backward, fused AdamW) after two warm-up steps."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    input_ids = torch.randint(0, model.config.vocab_size, (args.train_batch, args.train_seq_len), device=DEVICE)
-    times = []
-    for i in range(2 + args.train_steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    times = step_times_ms(training_step(model, args.train_batch, args.train_seq_len), args.train_steps)
+    return sorted(times)[len(times) // 2]
 
 
 def bench_train_step(args) -> list[Row]:

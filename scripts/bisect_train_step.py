@@ -43,6 +43,36 @@ CONFIG = dict(
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
+def training_step(model, batch_size: int, seq_len: int):
+    """A full training step of `model` on fixed random tokens (forward, backward, fused AdamW), as a closure."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), device=model.device)
+
+    def step():
+        model(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_times_ms(step, steps: int) -> list[float]:
+    """Wall milliseconds of `steps` calls of `step` after two warm-up calls, the GPU synchronised around each."""
+    import torch
+
+    times = []
+    for i in range(2 + steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(1e3 * (time.perf_counter() - start))
+    return times
+
+
 def sync_sites(step) -> dict[str, int]:
     """The Python stacks (innermost frames) of the ops in one `step()` that synchronize the host with the GPU."""
     import torch
@@ -79,22 +109,8 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
         model = HybridForCausalLM(HybridConfig(**CONFIG, use_ssm_branch=use_ssm_branch)).to(torch.bfloat16)
     model.set_attn_implementation("sdpa")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    input_ids = torch.randint(0, CONFIG["vocab_size"], (2, 4096), device="cuda")
-
-    def step():
-        model(input_ids=input_ids, labels=input_ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    times = []
-    for i in range(2 + steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(1e3 * (time.perf_counter() - start))
+    step = training_step(model, batch_size=2, seq_len=4096)
+    times = step_times_ms(step, steps)
     result = {
         "step_ms": statistics.median(times),
         "steps_ms": times,

@@ -26,15 +26,19 @@ def autocast():
 
 
 @torch.no_grad()
-def loss_by_position(model, sequences: torch.Tensor, batch_size: int) -> np.ndarray:
+def loss_by_position(
+    model, sequences: torch.Tensor, batch_size: int, seq_idx: torch.Tensor | None = None
+) -> np.ndarray:
     """Mean next-token loss at each position of `sequences` [S, T]: entry t is the loss of predicting token t+1 from
-    tokens 0..t, averaged over the S sequences. Returns [T-1]."""
+    tokens 0..t, averaged over the S sequences. `seq_idx` [T] (a hybrid's, optional): where the SSM branch restarts in
+    every row, the attention unchanged. Returns [T-1]."""
     device = next(model.parameters()).device
     total = torch.zeros(sequences.shape[1] - 1, dtype=torch.float64)
     for start in range(0, len(sequences), batch_size):
         ids = sequences[start : start + batch_size].to(device)
+        restarts = {} if seq_idx is None else {"seq_idx": seq_idx.to(device).expand(len(ids), -1).contiguous()}
         with autocast():
-            logits = model(input_ids=ids).logits[:, :-1]
+            logits = model(input_ids=ids, **restarts).logits[:, :-1]
         losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
         total += losses.sum(0).double().cpu()
     return (total / len(sequences)).numpy()
@@ -66,22 +70,13 @@ def loss_with_ssm_reset(model, sequences: torch.Tensor, history: int, batch_size
     restarts the branch). In a model of several layers the attention also reads earlier positions' branches, each
     restarted on the same grid (at most 2 * `history` tokens before its own position). Entries t < `history` are NaN.
     Returns [T-1]."""
-    device = next(model.parameters()).device
-    length = sequences.shape[1]
-    positions = torch.arange(length)
-    segment = positions // history
-    total = torch.zeros(length - 1, dtype=torch.float64)
+    positions = np.arange(sequences.shape[1])
+    segment = positions[:-1] // history
+    losses = np.full(len(segment), np.nan)
     for parity in (0, 1):
-        seq_idx = ((positions + parity * history) // (2 * history)).expand(batch_size, -1)
-        served = (segment[:-1] % 2 == 1 - parity) & (segment[:-1] >= 1)  # [T-1]: whose restart is this pass's
-        for start in range(0, len(sequences), batch_size):
-            ids = sequences[start : start + batch_size].to(device)
-            with autocast():
-                logits = model(input_ids=ids, seq_idx=seq_idx[: len(ids)].contiguous().to(device)).logits[:, :-1]
-            losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none").sum(0)
-            total += torch.where(served, losses.double().cpu(), 0.0)
-    losses = (total / len(sequences)).numpy()
-    losses[:history] = np.nan
+        seq_idx = torch.from_numpy((positions + parity * history) // (2 * history))
+        served = (segment % 2 == 1 - parity) & (segment >= 1)  # [T-1]: the positions whose restart is this pass's
+        losses[served] = loss_by_position(model, sequences, batch_size, seq_idx)[served]
     return losses
 
 
