@@ -95,7 +95,16 @@ def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str, cache
     return syncs / new_tokens, events.table(sort_by=sort_by, row_limit=20)
 
 
+def cudagraph_skips() -> int:
+    """How many compiled graphs Inductor ran without CUDA graphs so far (each skip's reason goes to stderr through the
+    `perf_hints` log that `main` turns on): a static cache's decode step should be one graph replay."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def measure(model, args, device: str, cache: str) -> dict:
+    skips_before = cudagraph_skips()
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=generator)
     input_ids = input_ids.to(device)
@@ -112,6 +121,7 @@ def measure(model, args, device: str, cache: str) -> dict:
         }
         result["new_tok_per_s"] = args.batch * args.new_tokens / result["whole_s"]
         result["decode_step_ms"] = 1e3 * (result["whole_s"] - result["prefill_s"]) / (args.new_tokens - 1)
+        result["cudagraph_skips"] = cudagraph_skips() - skips_before
         if args.profile:
             result["host_syncs_per_token"], result["top_kernels"] = host_syncs_and_kernels(
                 model, input_ids, args.new_tokens, device, cache
@@ -147,6 +157,8 @@ def main(argv=None) -> int:
     else:
         parser.error("the full benchmark needs a CUDA GPU (--smoke runs tiny models on CPU)")
 
+    if device == "cuda":
+        torch._logging.set_logs(perf_hints=True)  # why Inductor skips CUDA graphs for a graph, if it does
     models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype)
     results = {}
     for cache in caches:
@@ -154,7 +166,8 @@ def main(argv=None) -> int:
             row = results.setdefault(cache, {})[name] = measure(model, args, device, cache)
             print(
                 f"{name:7s} {cache:8s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
-                f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms",
+                f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms   "
+                f"graphs run without CUDA graphs {row['cudagraph_skips']}",
                 flush=True,
             )
             if args.profile:

@@ -10,9 +10,10 @@
 #                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
 #                                          # runner; `VLLM_USE_V2_MODEL_RUNNER=1 bash ... vllm` runs the same
 #                                          # tests on Model Runner V2 (the engines inherit the environment)
-#   bash scripts/device_check.sh steps     # the training step against the same model with the SSM branch off (3
-#                                          # rounds, one profiled step) and generate() at the small shape against
-#                                          # Mistral, static and dynamic caches
+#   bash scripts/device_check.sh steps [TREES]  # the training step against the same model with the SSM branch off
+#                                          # (3 rounds, one profiled step; TREES: more trees beside this one, as
+#                                          # bisect_train_step.py takes them) and generate() at the small shape
+#                                          # against Mistral, static and dynamic caches
 #   bash scripts/device_check.sh startup   # scripts/check_engine_start.py (vLLM staged): build, save and convert a
 #                                          # ~1B model, then LLM() with vLLM's defaults in the same process, under a
 #                                          # time limit (a hang fails it)
@@ -80,10 +81,11 @@ case "${1:-kernels}" in
     exit $status
     ;;
   steps)
-    python3 scripts/bisect_train_step.py . --swa-tree . --rounds 3 --profile-trees . --budget-s 200 \
-      --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -6
+    shift
+    python3 scripts/bisect_train_step.py . "$@" --swa-tree . --rounds "${STEP_ROUNDS:-3}" --profile-trees . \
+      --budget-s "${STEP_BUDGET_S:-200}" --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -12
     train_status=${PIPESTATUS[0]}
-    timeout 330 python3 scripts/bench_generate.py --shape small --caches static,dynamic --repeats 3 \
+    timeout "${GENERATE_TIMEOUT_S:-330}" python3 scripts/bench_generate.py --shape small --caches "${GENERATE_CACHES:-static,dynamic}" --repeats 3 \
       --json "$OUT/generate_small.json" 2>&1 | tee "$OUT/generate_small.log" | tail -8
     exit $((train_status || PIPESTATUS[0]))
     ;;
