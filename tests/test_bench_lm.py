@@ -18,15 +18,22 @@ from modeling.lm_benchmark import cli
 from modeling.lm_benchmark.corpus import collect_corpus, python_source_roots
 from modeling.lm_benchmark.evaluation import (
     PASSKEY_ALPHABET,
+    RETRIEVAL_FORMATS,
     context_gain,
+    continuation_logprob,
     evaluation_sequences,
     loss_by_position,
     loss_with_short_context,
     loss_with_ssm_reset,
     passkey_accuracy,
     passkey_probes,
+    previous_bigram_distance,
+    repeated_bigram_loss,
+    retrieval_probes,
+    retrieval_score,
+    token_losses,
 )
-from modeling.lm_benchmark.models import Shape
+from modeling.lm_benchmark.models import SMOKE_SHAPE, Shape, build_model
 from modeling.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
 
 
@@ -269,11 +276,98 @@ def test_passkey_probes_and_their_scoring(code_tokenizer_and_files):
     assert passkey_accuracy(half, probes, batch_size=4) == 0.5
 
 
+def test_previous_bigram_distance_against_a_naive_search():
+    sequences = torch.randint(0, 4, (3, 50), generator=torch.Generator().manual_seed(4))
+    distance = previous_bigram_distance(sequences)
+    assert distance.shape == (3, 49)
+    for row in range(3):
+        ids = sequences[row].tolist()
+        for t in range(49):
+            earlier = [j for j in range(t) if (ids[j], ids[j + 1]) == (ids[t], ids[t + 1])]
+            assert distance[row, t] == (t - earlier[-1] if earlier else 0)
+
+
+def test_repeated_bigram_loss_classes():
+    window = 4
+    # Row: a bigram (7, 8) at 0, again at 9 (9 back: W..4W) and 11 (2 back: within W); the rest distinct pairs.
+    ids = [7, 8] + list(range(20, 27)) + [7, 8, 7, 8] + list(range(30, 50))
+    sequences = torch.tensor([ids])
+    losses = np.arange(sequences.shape[1] - 1, dtype=np.float32)[None] / 10
+    classes = repeated_bigram_loss(sequences, losses, window)
+    # Positions >= 2W = 8: t = 9 (7->8, 9 back), t = 10 (8->7, first), t = 11 (7->8, 2 back), the rest first.
+    assert classes["W..4W back"] == {"loss": 0.9, "tokens": 1}
+    assert classes["within W"] == {"loss": 1.1, "tokens": 1}
+    assert classes["beyond 4W"] == {"loss": None, "tokens": 0}
+    first = [t for t in range(8, len(ids) - 1) if t not in (9, 11)]
+    assert classes["first occurrence"]["tokens"] == len(first)
+    assert classes["first occurrence"]["loss"] == pytest.approx(np.mean(first) / 10, abs=1e-4)
+
+
+def test_token_losses_are_the_per_row_losses():
+    model = tiny_model(use_ssm_branch=True)
+    sequences = torch.randint(0, 97, (5, 21), generator=torch.Generator().manual_seed(5))
+    losses = token_losses(model, sequences, batch_size=2)
+    with torch.no_grad():
+        for row in (0, 4):
+            logits = model(input_ids=sequences[row : row + 1]).logits[0, :-1]
+            expected = F.cross_entropy(logits, sequences[row, 1:], reduction="none")
+            np.testing.assert_allclose(losses[row], expected.numpy(), atol=1e-5)
+
+
+def test_retrieval_probes_and_their_scoring(code_tokenizer_and_files):
+    tokenizer, files = code_tokenizer_and_files
+    probes = retrieval_probes(tokenizer, files, distance=60, count=9, seed=0)
+    for i, probe in enumerate(probes):
+        assert len(probe.filler) == 60
+        assignment, question = (tokenizer.decode(p) for p in (probe.assignment, probe.question))
+        value = tokenizer.decode(probe.value)
+        template_assignment, template_question = RETRIEVAL_FORMATS[i % 3]
+        key = question.split("assert ")[1].split(" == ")[0].replace("registry[", "").strip('"[]()')
+        assert assignment == template_assignment.format(key=key, value=value)
+        assert question == template_question.format(key=key)
+        assert value[:-2].isalpha() and value[-2:].isdigit()
+    assert len({tuple(p.value) for p in probes}) == 9  # random keys and values
+    assert probes == retrieval_probes(tokenizer, files, distance=60, count=9, seed=0)  # the same for every model
+
+    # The score of each continuation against a naive forward of that probe alone (no padding).
+    model = tiny_model(use_ssm_branch=True)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    model.config.pad_token_id = 0
+    prefixes = [p.assignment + p.filler + p.question for p in probes[:5]]
+    prefixes[1] = prefixes[1][10:]  # rows of different lengths: left padding
+    values = [p.value for p in probes[:5]]
+    scores = continuation_logprob(model, prefixes, values, batch_size=3)
+    with torch.no_grad():
+        for prefix, value, score in zip(prefixes, values, scores):
+            log_probs = model(input_ids=torch.tensor([prefix + value])).logits[0].log_softmax(-1)
+            expected = np.mean([log_probs[len(prefix) - 1 + k, token].item() for k, token in enumerate(value)])
+            assert score == pytest.approx(expected, abs=1e-4)
+    result = retrieval_score(model, probes[:5], batch_size=3)
+    assert result["retrieved"] == pytest.approx(result["logprob"] - result["logprob_without_assignment"], abs=2e-4)
+
+
+def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
+    tokenizer, _ = code_tokenizer_and_files
+    shape = Shape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    counts = {kind: build_model(kind, shape, tokenizer, "sdpa", 0).num_parameters() for kind in MATCHED}
+    assert counts["swa"] < counts["hybrid"]
+    per_64_columns = 3 * 64 * shape.hidden_size * shape.num_hidden_layers
+    assert abs(counts["swa-matched"] - counts["hybrid"]) <= per_64_columns / 2
+    hybrid = build_model("hybrid", SMOKE_SHAPE, tokenizer, "sdpa", 0, {"ssm_dt_min": 1e-4})
+    assert hybrid.config.ssm_dt_min == 1e-4
+
+
+MATCHED = ("hybrid", "swa", "swa-matched")
+
+
 def test_bad_arguments_are_refused(capsys):
     for argv, message in (
         (["--models", "hybrid,bogus", "--steps", "3"], "bogus"),
         (["--models", "swa"], "--steps or --train-seconds"),
         (["--steps", "0"], "positive"),
+        (["--steps", "3", "--set", "ssm_dt_mn=1e-4"], "HybridConfig field"),
+        (["--steps", "3", "--set", "ssm_dt_min"], "FIELD=VALUE"),
+        (["--steps", "3", "--set", "sliding_window=-3"], "--set"),
     ):
         with pytest.raises(SystemExit) as error:
             cli.parse_args(argv)
@@ -300,6 +394,12 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
         assert (evaluation["ssm_memory"] is not None) == (model == "hybrid")
         # W 16, T 128: the branch restarted W and 2W back (4W leaves no position >= 8W inside T).
         assert list(evaluation["ssm_beyond_reset"]) == (["1W", "2W"] if model == "hybrid" else [])
+        bigrams = evaluation["repeated_bigrams"]
+        assert list(bigrams) == ["within W", "W..4W back", "beyond 4W", "first occurrence"]
+        assert sum(c["tokens"] for c in bigrams.values()) == 16 * (128 - 1 - 2 * 16)  # every position >= 2W once
+        assert [k.split(" ")[0] for k in evaluation["retrieval"]] == ["0.5W", "1W", "2W", "4W", "8W", "16W"]
+        for score in evaluation["retrieval"].values():
+            assert score["logprob"] < 0 and score["logprob_without_assignment"] < 0
     assert results["hybrid"]["parameters"] > results["swa"]["parameters"] == results["full"]["parameters"]
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path / "data" / "tokenizer")
     # EOS separates the files and must train: the padding token (whose embedding stays zero) is another one.

@@ -10,6 +10,7 @@ Models, of the same shapes, trained on the same tokens in the same order with th
 Transformers' `Trainer` through `modeling/training.py`):
   hybrid  HybridForCausalLM: sliding-window attention + the SSM history branch in every layer
   swa     the same with `use_ssm_branch=False`
+  swa-matched  `swa` with its MLP widened to the hybrid's parameter count (the branch's parameters as plain width)
   full    Transformers' own LlamaForCausalLM of the same shape (full causal attention)
 
 and, starting from a trained `full` (its run saves it to `OUTPUT_DIR/full/checkpoint`; or `--teacher DIR`), what a user
@@ -20,17 +21,23 @@ with an attention checkpoint gets (scripts/upcycle.py, then scripts/train.py's d
 
 Metrics on the held-out files: the loss by position (each evaluation sequence is EOS and the first T-1 tokens of one
 held-out file, as files start in the training stream), in buckets [0,W), [W,4W), [4W,16W); beyond 2W, the same loss
-when the model sees at most the last 2W tokens (what the older context is worth to it); a passkey probe (a line
-`passkey = "k3x9q"`, held-out code, then `assert passkey == "`: is the value the greedy continuation?) at distances
-W/2 .. 16W; training tokens/s (median over timed intervals, the first excluded) and peak memory.
+when the model sees at most the last 2W tokens (what the older context is worth to it); for a hybrid, the same loss
+with its SSM branch alone restarted D..2D tokens back (D = W, 2W, 4W: what the branch carries); the loss on tokens
+whose bigram last occurred within W, W..4W or beyond 4W back; graded retrieval (an identifier-like key assigned a
+value in held-out code, the question `distance` tokens later: the value's log-probability with and without the
+assignment) and a passkey probe (a line `passkey = "k3x9q"`, held-out code, then `assert passkey == "`: is the value
+the greedy continuation?) at distances W/2 .. 16W; training tokens/s (median over timed intervals, the first excluded)
+and peak memory.
 
     python scripts/bench_lm.py --models hybrid --train-seconds 330      # steps picked from a time budget
     python scripts/bench_lm.py --models swa,full --steps 1500           # the same steps for the others
     python scripts/bench_lm.py --models upcycled,distilled,distilled-swa --steps 1500   # after `full`
+    python scripts/bench_lm.py --models hybrid --steps 1500 --seed 1 --tag seed1   # the noise floor
+    python scripts/bench_lm.py --models hybrid --steps 1500 --set ssm_dt_min=1e-4 --tag dt-min-1e-4   # a lever
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
 
-Each model's results go to `OUTPUT_DIR/results-MODEL.json`; the corpus, tokenizer and token arrays are cached in
+Each model's results go to `OUTPUT_DIR/results-MODEL.json` (`results-MODEL-TAG.json` with `--tag`); the corpus, tokenizer and token arrays are cached in
 `OUTPUT_DIR` and reused while the file list (its hash) is the same.
 """
 
@@ -79,6 +86,8 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         "attn_implementation": args.attn,
         "learning_rate": args.lr,
         "seed": args.seed,
+        "tag": args.tag,
+        "config_overrides": args.config_overrides,
         "distillation": distillation,
         "train": training,
         "eval": evaluate(model, data, shape, args),
@@ -108,7 +117,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--distill-mode", default="all", help=f"what the distillations train: {', '.join(TRAINING_MODES)}"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order (the probes stay fixed)")
+    parser.add_argument(
+        "--set",
+        dest="config_overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="a HybridConfig field for the hybrid and swa models (repeatable; VALUE read as JSON, else a string)",
+    )
+    parser.add_argument("--tag", help="names this run's results (results-MODEL-TAG.json) and its rows in reports")
     parser.add_argument(
         "--attn",
         help="attention implementation for training (default: flex_attention on CUDA, "
@@ -120,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-sequences", type=int, default=256)
     parser.add_argument("--eval-batch-size", type=int, default=8)
     parser.add_argument("--passkey-probes", type=int, default=200, help="probes per distance")
+    parser.add_argument("--retrieval-probes", type=int, default=120, help="graded retrieval probes per distance")
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON", help="print the table of these results")
     parser.add_argument("--plot", type=Path, help="with --report (or after a run): the loss-by-position PNG")
     parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
@@ -127,6 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.report:
         return args
+    args.config_overrides = config_overrides(parser, args.config_overrides)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown or not args.models:
@@ -138,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.corpus_bytes = args.corpus_bytes or 2 << 20
         args.validation_fraction = 0.2
         args.tokenizer_bytes = 1 << 20
-        args.eval_sequences, args.passkey_probes = 16, 16
+        args.eval_sequences, args.passkey_probes, args.retrieval_probes = 16, 16, 6
     elif args.steps is None and args.train_seconds is None:
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
     if args.distill_mode not in TRAINING_MODES:
@@ -154,6 +174,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     args.attn = args.attn or ("flex_attention" if torch.cuda.is_available() else "sdpa")
     return args
+
+
+def config_overrides(parser, assignments: list[str]) -> dict:
+    """`--set FIELD=VALUE` pairs as HybridConfig keyword arguments, checked against the config's fields."""
+    from configuration import HybridConfig
+
+    fields = HybridConfig().to_dict()
+    overrides = {}
+    for assignment in assignments:
+        field, equals, text = assignment.partition("=")
+        if not equals or field not in fields:
+            parser.error(f"--set takes FIELD=VALUE with a HybridConfig field; got {assignment!r}")
+        try:
+            overrides[field] = json.loads(text)
+        except json.JSONDecodeError:
+            overrides[field] = text
+    try:
+        HybridConfig(**overrides)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--set: {error}")
+    return overrides
 
 
 def main(argv=None) -> int:
@@ -198,7 +239,7 @@ def main(argv=None) -> int:
     results = []
     for kind in args.models:
         result = run_model(kind, data, shape, steps, args)
-        path = args.output_dir / f"results-{kind}.json"
+        path = args.output_dir / f"results-{kind}{'-' + args.tag if args.tag else ''}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"results: {path}")
         results.append(result)

@@ -1,7 +1,9 @@
 """Evaluation on the held-out files: the loss by position and in buckets of the window W, the same loss with the
-context cut to the last 2W tokens and with the SSM branch restarted W, 2W or 4W tokens back, passkey probes at
-distances W/2 .. 16W, and how long the SSM branch remembers."""
+context cut to the last 2W tokens and with the SSM branch restarted W, 2W or 4W tokens back, the loss on bigrams
+repeated from inside and from beyond the window, retrieval of an assigned value scored by its log-probability and
+passkey probes (exact greedy copies) at distances W/2 .. 16W, and how long the SSM branch remembers."""
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -26,22 +28,27 @@ def autocast():
 
 
 @torch.no_grad()
-def loss_by_position(
-    model, sequences: torch.Tensor, batch_size: int, seq_idx: torch.Tensor | None = None
-) -> np.ndarray:
-    """Mean next-token loss at each position of `sequences` [S, T]: entry t is the loss of predicting token t+1 from
-    tokens 0..t, averaged over the S sequences. `seq_idx` [T] (a hybrid's, optional): where the SSM branch restarts in
-    every row, the attention unchanged. Returns [T-1]."""
+def token_losses(model, sequences: torch.Tensor, batch_size: int, seq_idx: torch.Tensor | None = None) -> np.ndarray:
+    """Next-token loss at every position of every sequence of `sequences` [S, T]: entry [s, t] is the loss of
+    predicting token t+1 of row s from its tokens 0..t. `seq_idx` [T] (a hybrid's, optional): where the SSM branch
+    restarts in every row, the attention unchanged. Returns [S, T-1] (fp32)."""
     device = next(model.parameters()).device
-    total = torch.zeros(sequences.shape[1] - 1, dtype=torch.float64)
+    rows = []
     for start in range(0, len(sequences), batch_size):
         ids = sequences[start : start + batch_size].to(device)
         restarts = {} if seq_idx is None else {"seq_idx": seq_idx.to(device).expand(len(ids), -1).contiguous()}
         with autocast():
             logits = model(input_ids=ids, **restarts).logits[:, :-1]
-        losses = F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-        total += losses.sum(0).double().cpu()
-    return (total / len(sequences)).numpy()
+        rows.append(F.cross_entropy(logits.float().transpose(1, 2), ids[:, 1:], reduction="none").cpu())
+    return torch.cat(rows).numpy()
+
+
+def loss_by_position(
+    model, sequences: torch.Tensor, batch_size: int, seq_idx: torch.Tensor | None = None
+) -> np.ndarray:
+    """`token_losses` averaged over the sequences: entry t is the mean loss of predicting token t+1 from tokens
+    0..t. Returns [T-1]."""
+    return token_losses(model, sequences, batch_size, seq_idx).mean(0, dtype=np.float64)
 
 
 @torch.no_grad()
@@ -127,6 +134,41 @@ def context_gain(losses: np.ndarray, short_context_losses: np.ndarray, shape: Sh
     return gains
 
 
+def previous_bigram_distance(sequences: torch.Tensor) -> np.ndarray:
+    """For the prediction from position t of each row (token t+1 after token t): how far back the same bigram
+    (token t, token t+1) last occurred, t - j for the latest j < t with the same pair at (j, j+1), or 0 where it has
+    not occurred before in the row. [S, T-1]"""
+    ids = sequences.numpy().astype(np.int64)
+    bigrams = ids[:, :-1] * (int(ids.max()) + 1) + ids[:, 1:]
+    distance = np.zeros(bigrams.shape, dtype=np.int64)
+    for row, codes in enumerate(bigrams.tolist()):
+        last = {}
+        for t, code in enumerate(codes):
+            if code in last:
+                distance[row, t] = t - last[code]
+            last[code] = t
+    return distance
+
+
+def repeated_bigram_loss(sequences: torch.Tensor, losses: np.ndarray, window: int) -> dict:
+    """Zoology's associative-recall view of real text: at positions >= 2W, the mean loss of tokens whose bigram
+    (previous token, token) last occurred inside the attention window (at most W back: the attention sees the earlier
+    copy), W..4W back, more than 4W back, or never before in the sequence, with their counts. A model that carries
+    what left the window lowers the middle classes towards the first. `losses` [S, T-1] from `token_losses`."""
+    distance = previous_bigram_distance(sequences)[:, 2 * window :]
+    losses = losses[:, 2 * window :]
+    classes = {
+        "within W": (distance >= 1) & (distance <= window),
+        "W..4W back": (distance > window) & (distance <= 4 * window),
+        "beyond 4W": distance > 4 * window,
+        "first occurrence": distance == 0,
+    }
+    return {
+        name: {"loss": round(float(losses[chosen].mean()), 4) if chosen.any() else None, "tokens": int(chosen.sum())}
+        for name, chosen in classes.items()
+    }
+
+
 def _in_windows(position: int, window: int) -> str:
     return "0" if position == 0 else ("W" if position == window else f"{position // window}W")
 
@@ -156,21 +198,27 @@ class PasskeyProbe:
     answer: list[int]
 
 
-def passkey_probes(
-    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
-) -> list[PasskeyProbe]:
-    """`count` probes: `passkey = "<5 random characters>"`, then `distance` tokens of held-out code (cut from the
-    held-out files joined by blank lines, starting after a newline), then `assert passkey == "`."""
-    generator = np.random.default_rng(seed + distance)
+def code_fillers(tokenizer, validation: list[np.ndarray], distance: int, count: int, generator) -> list[list[int]]:
+    """`count` runs of `distance` tokens of held-out code (cut from the held-out files joined by blank lines,
+    starting after a newline): what separates a probe's assignment from its question."""
     newline = tokenizer.encode("\n\n", add_special_tokens=False)
     stream = np.concatenate([part for ids in validation for part in (ids, np.asarray(newline, dtype=np.uint16))])
     line_starts = np.flatnonzero(np.isin(stream, tokenizer.encode("\n", add_special_tokens=False)))[:-1] + 1
-    question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
     line_starts = line_starts[line_starts + distance <= stream.size]
     if line_starts.size == 0:
-        raise SystemExit(f"error: the held-out files hold too few tokens for a passkey probe at distance {distance}")
+        raise SystemExit(f"error: the held-out files hold too few tokens for a probe at distance {distance}")
+    return [stream[start : start + distance].tolist() for start in generator.choice(line_starts, size=count)]
+
+
+def passkey_probes(
+    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+) -> list[PasskeyProbe]:
+    """`count` probes: `passkey = "<5 random characters>"`, then `distance` tokens of held-out code
+    (`code_fillers`), then `assert passkey == "`."""
+    generator = np.random.default_rng(seed + distance)
+    question = tokenizer.encode('\nassert passkey == "', add_special_tokens=False)
     probes = []
-    for start in generator.choice(line_starts, size=count):
+    for filler in code_fillers(tokenizer, validation, distance, count, generator):
         value = "".join(generator.choice(list(PASSKEY_ALPHABET), size=5))
         answer = tokenizer.encode(value, add_special_tokens=False)
         assignment = (
@@ -178,9 +226,93 @@ def passkey_probes(
             + answer
             + tokenizer.encode('"\n', add_special_tokens=False)
         )
-        filler = stream[start : start + distance].tolist()
         probes.append(PasskeyProbe(assignment + filler + question + answer[:-1], answer))
     return probes
+
+
+# Graded retrieval: (assignment, question) in three code formats; the question ends where the value starts. No
+# training text holds these keys (random), and the synthetic-retrieval data lever must not use these formats.
+RETRIEVAL_FORMATS = (
+    ('{key} = "{value}"\n', '\nassert {key} == "'),
+    ('registry["{key}"] = "{value}"\n', '\nassert registry["{key}"] == "'),
+    ('def {key}():\n    return "{value}"\n', '\nassert {key}() == "'),
+)
+RETRIEVAL_DISTANCES = (0.5, 1, 2, 4, 8, 16)  # in windows W
+PROBE_SEED = 0  # the probes are the instrument: the same for every model and training seed
+CONSONANTS, VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def random_word(generator, syllables: int) -> str:
+    return "".join(generator.choice(list(CONSONANTS)) + generator.choice(list(VOWELS)) for _ in range(syllables))
+
+
+@dataclass
+class RetrievalProbe:
+    assignment: list[int]  # the key's assignment line
+    filler: list[int]  # `distance` tokens of held-out code
+    question: list[int]  # the key asked for, up to the value
+    value: list[int]  # the value's tokens, scored
+
+
+def retrieval_probes(
+    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+) -> list[RetrievalProbe]:
+    """`count` probes, the formats in turn: an identifier-like key (two pronounceable random words, `kodu_samire`)
+    assigned an identifier-like value (a word and two digits, `tavemo42`), `distance` tokens of held-out code, then
+    the question."""
+    generator = np.random.default_rng(10_000 + seed + distance)
+    probes = []
+    for i, filler in enumerate(code_fillers(tokenizer, validation, distance, count, generator)):
+        assignment, question = RETRIEVAL_FORMATS[i % len(RETRIEVAL_FORMATS)]
+        key = f"{random_word(generator, 2)}_{random_word(generator, 3)}"
+        value = random_word(generator, 3) + "".join(generator.choice(list("0123456789"), size=2))
+        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+        probes.append(
+            RetrievalProbe(
+                encode(assignment.format(key=key, value=value)),
+                filler,
+                encode(question.format(key=key)),
+                encode(value),
+            )
+        )
+    return probes
+
+
+@torch.no_grad()
+def continuation_logprob(model, prefixes: list[list[int]], continuations: list[list[int]], batch_size: int) -> np.ndarray:
+    """Per pair, the mean log-probability per token of `continuation` after `prefix` (teacher forced). Rows are left
+    padded with a mask, so that every continuation ends the row. [len(prefixes)]"""
+    device = next(model.parameters()).device
+    scores = []
+    for start in range(0, len(prefixes), batch_size):
+        rows = [p + c for p, c in zip(prefixes[start : start + batch_size], continuations[start : start + batch_size])]
+        length = max(map(len, rows))
+        ids = torch.full((len(rows), length), model.config.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(rows):
+            ids[row, length - len(tokens) :] = torch.tensor(tokens)
+            mask[row, length - len(tokens) :] = 1
+        with autocast():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        log_probs = logits.log_softmax(-1).cpu()
+        for row, continuation in enumerate(continuations[start : start + batch_size]):
+            n = len(continuation)
+            predicted = log_probs[row, length - n - 1 : length - 1]  # the positions before each continuation token
+            scores.append(float(predicted.gather(-1, torch.tensor(continuation)[:, None]).mean()))
+    return np.asarray(scores)
+
+
+def retrieval_score(model, probes: list[RetrievalProbe], batch_size: int) -> dict:
+    """The value's mean log-probability per token with its assignment before the filler, and without it (the same
+    filler and question: what the model guesses from the format alone); their difference is what it retrieved."""
+    values = [p.value for p in probes]
+    with_key = continuation_logprob(model, [p.assignment + p.filler + p.question for p in probes], values, batch_size)
+    without = continuation_logprob(model, [p.filler + p.question for p in probes], values, batch_size)
+    return {
+        "logprob": round(float(with_key.mean()), 4),
+        "logprob_without_assignment": round(float(without.mean()), 4),
+        "retrieved": round(float((with_key - without).mean()), 4),
+    }
 
 
 @torch.no_grad()
@@ -244,7 +376,8 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
     # Evaluation shapes vary (probe lengths): SDPA computes the same attention without a compilation per shape.
     model.set_attn_implementation("sdpa")
     sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences, data.tokenizer.eos_token_id)
-    losses = loss_by_position(model, sequences, args.eval_batch_size)
+    per_token = token_losses(model, sequences, args.eval_batch_size)
+    losses = per_token.mean(0, dtype=np.float64)
     result = {
         "evaluation_sequences": len(sequences),
         "mean_loss": round(float(losses.mean()), 4),
@@ -257,12 +390,20 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
             losses, loss_with_short_context(model, sequences, shape.window, args.eval_batch_size), shape
         ),
         "ssm_beyond_reset": ssm_reset_gain(model, sequences, losses, shape, args.eval_batch_size),
+        "repeated_bigrams": repeated_bigram_loss(sequences, per_token, shape.window),
         "passkey": {},
+        "retrieval": {},
     }
     for multiple in (0.5, 2, 4, 8, 16):
         distance = int(multiple * shape.window)
-        probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, args.seed)
+        probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, PROBE_SEED)
         key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
         result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
+    for multiple in RETRIEVAL_DISTANCES:
+        distance = int(multiple * shape.window)
+        probes = retrieval_probes(data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED)
+        longest = max(len(p.assignment + p.filler + p.question + p.value) for p in probes)
+        key = f"{multiple:g}W ({distance})" + (" >T" if longest > shape.context else "")
+        result["retrieval"][key] = retrieval_score(model, probes, args.eval_batch_size)
     result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
     return result

@@ -1,5 +1,6 @@
-"""The models compared, of the same shapes: the hybrid, `swa` (the hybrid without its SSM branch), `full` (Llama),
-and those made from a trained `full` (upcycled, then distilled)."""
+"""The models compared, of the same shapes: the hybrid, `swa` (the hybrid without its SSM branch), `swa-matched` (`swa`
+with its MLP widened to the hybrid's parameter count: what the branch's parameters would buy as plain width), `full`
+(Llama), and those made from a trained `full` (upcycled, then distilled)."""
 
 import functools
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from ..training import is_ssm_parameter, prepare_trainable
 from ..upcycling import upcycle
 from .tokens import TokenizedCorpus
 
-MODELS = ("hybrid", "swa", "full", "upcycled", "distilled", "distilled-swa")
+MODELS = ("hybrid", "swa", "swa-matched", "full", "upcycled", "distilled", "distilled-swa")
 FROM_TEACHER = ("upcycled", "distilled", "distilled-swa")  # built from a trained `full`
 
 
@@ -50,8 +51,22 @@ SMOKE_SHAPE = Shape(
 )
 
 
-def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int) -> torch.nn.Module:
-    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any."""
+def parameter_matched_intermediate_size(hybrid: HybridConfig) -> int:
+    """The MLP width at which the model without the SSM branch has the hybrid's parameters: the branch's parameters
+    spread over the MLPs' three matrices, to a multiple of 64 (counted on the meta device)."""
+    without_branch = HybridConfig(**{**hybrid.to_dict(), "use_ssm_branch": False})
+    with torch.device("meta"):
+        extra = HybridForCausalLM(hybrid).num_parameters() - HybridForCausalLM(without_branch).num_parameters()
+    per_column = 3 * hybrid.hidden_size * hybrid.num_hidden_layers  # gate, up and down: one column of each per layer
+    return hybrid.intermediate_size + 64 * round(extra / per_column / 64)
+
+
+def build_model(
+    kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int, overrides: dict | None = None
+) -> torch.nn.Module:
+    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any.
+    `overrides`: `HybridConfig` fields that the hybrids (and the baselines' configs, where they apply) take instead of
+    the defaults, e.g. the SSM's step-size range."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=len(tokenizer),
@@ -72,7 +87,10 @@ def build_model(kind: str, shape: Shape, tokenizer, attn_implementation: str, se
     if kind == "full":
         model = LlamaForCausalLM(LlamaConfig(**common))
     else:
-        model = HybridForCausalLM(HybridConfig(**common, sliding_window=shape.window, use_ssm_branch=kind == "hybrid"))
+        common.update(sliding_window=shape.window, **(overrides or {}))
+        if kind == "swa-matched":
+            common["intermediate_size"] = parameter_matched_intermediate_size(HybridConfig(**common))
+        model = HybridForCausalLM(HybridConfig(**common, use_ssm_branch=kind == "hybrid"))
     model.set_attn_implementation(attn_implementation)
     return model.cuda() if torch.cuda.is_available() else model
 
@@ -114,7 +132,7 @@ def load_teacher(args) -> torch.nn.Module:
 def model_to_train(kind: str, data: TokenizedCorpus, shape: Shape, args) -> tuple[torch.nn.Module, dict]:
     """The model of `kind` before training, and what `train_model` needs beside it (the teacher, for distillation)."""
     if kind not in FROM_TEACHER:
-        return build_model(kind, shape, data.tokenizer, args.attn, args.seed), {}
+        return build_model(kind, shape, data.tokenizer, args.attn, args.seed, args.config_overrides), {}
     model = build_from_teacher(kind, shape, args)
     if kind == "upcycled":
         return model, {}

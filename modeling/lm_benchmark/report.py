@@ -9,7 +9,8 @@ import numpy as np
 def label(result: dict) -> str:
     """The model's name in tables and plots; a distillation that does not train everything says what it trained."""
     mode = result.get("distillation", {}).get("mode", "all")
-    return result["model"] + (f" ({mode})" if mode != "all" else "")
+    tag = result.get("tag")
+    return result["model"] + (f" ({mode})" if mode != "all" else "") + (f" [{tag}]" if tag else "")
 
 
 def print_table(results: list[dict]) -> None:
@@ -69,7 +70,70 @@ def print_table(results: list[dict]) -> None:
                 for d in distances
             ]
             print(f"| {label(r)} | " + " | ".join(cells) + " |")
+    print_retrieval(results)
+    print_repeated_bigrams(results)
+    print_decision(results)
     print_gap_recovered(results)
+
+
+def print_retrieval(results: list[dict]) -> None:
+    """Per distance, the value's log-probability per token with the assignment minus without it (nats: what the
+    model retrieved)."""
+    with_retrieval = [r for r in results if r["eval"].get("retrieval")]
+    if not with_retrieval:
+        return
+    distances = list(with_retrieval[0]["eval"]["retrieval"])
+    print("\ngraded retrieval: the value's log-prob per token with its assignment minus without (nats), by distance")
+    print("| model | " + " | ".join(distances) + " |")
+    print("|" + "---|" * (len(distances) + 1))
+    for r in with_retrieval:
+        cells = [f"{r['eval']['retrieval'][d]['retrieved']:+.3f}" for d in distances]
+        print(f"| {label(r)} | " + " | ".join(cells) + " |")
+
+
+def print_repeated_bigrams(results: list[dict]) -> None:
+    """At positions >= 2W, the loss on tokens by where their bigram last occurred."""
+    with_bigrams = [r for r in results if r["eval"].get("repeated_bigrams")]
+    if not with_bigrams:
+        return
+    classes = list(with_bigrams[0]["eval"]["repeated_bigrams"])
+    print("\nloss at positions >= 2W by where the token's bigram last occurred (tokens counted in the first row)")
+    first = with_bigrams[0]["eval"]["repeated_bigrams"]
+    print("| model | " + " | ".join(f"{c} ({first[c]['tokens']:,})" for c in classes) + " |")
+    print("|" + "---|" * (len(classes) + 1))
+    for r in with_bigrams:
+        cells = [_loss(r["eval"]["repeated_bigrams"][c]["loss"]) for c in classes]
+        print(f"| {label(r)} | " + " | ".join(cells) + " |")
+
+
+def print_decision(results: list[dict]) -> None:
+    """The memory program's decision table, one row per hybrid: primary, the loss the SSM branch alone saves beyond
+    2W (restarted 2W..4W back, at positions >= 4W) as a share of what full attention gains from context older than
+    2W at [4W,16W); guard, the loss inside the window against the first hybrid row's (the baseline); retrieval at
+    4W-16W; training tokens/s."""
+    full = next((r for r in results if r["model"] == "full" and "context_beyond_2W" in r["eval"]), None)
+    hybrids = [r for r in results if r["eval"].get("ssm_beyond_reset")]
+    if not hybrids:
+        return
+    full_gain = full["eval"]["context_beyond_2W"].get("[4W,16W)", {}).get("gain") if full else None
+    baseline = hybrids[0]["eval"]["loss_by_bucket"]["[0,W)"]
+    far = [d for d in hybrids[0]["eval"].get("retrieval", {}) if d.split("W")[0] in ("4", "8", "16")]
+    print(f"\ndecision table (full attention's gain from context older than 2W at [4W,16W): {_loss(full_gain)})")
+    print("| run | SSM gain beyond 2W | share of full's | loss [0,W) vs first row | " + " | ".join(
+        f"retrieved {d}" for d in far) + " | tok/s |")
+    print("|" + "---|" * (5 + len(far)))
+    for r in hybrids:
+        gain = r["eval"]["ssm_beyond_reset"].get("2W", {}).get("gain")
+        share = f"{gain / full_gain:.0%}" if gain is not None and full_gain else "-"
+        guard = r["eval"]["loss_by_bucket"]["[0,W)"] - baseline
+        cells = [f"{r['eval']['retrieval'][d]['retrieved']:+.3f}" for d in far]
+        tok_s = r["train"]["tokens_per_second"]
+        cells.append(f"{tok_s:,}" if tok_s else "-")
+        print(f"| {label(r)} | {_loss(gain)} | {share} | {guard:+.4f} | " + " | ".join(cells) + " |")
+
+
+def _loss(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def print_gap_recovered(results: list[dict]) -> None:

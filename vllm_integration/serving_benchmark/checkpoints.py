@@ -28,21 +28,6 @@ def hybrid_config(shape: dict, max_len: int):
     )
 
 
-def parameter_matched_intermediate_size(hybrid) -> int:
-    """The MLP width at which the sliding-window model has the hybrid's parameters: the SSM branch's parameters
-    spread over the MLPs' three matrices, to a multiple of 64 (counted on the meta device)."""
-    from transformers import MistralForCausalLM
-
-    from modeling import HybridForCausalLM
-
-    with torch.device("meta"):
-        extra = sum(p.numel() for p in HybridForCausalLM(hybrid).parameters()) - sum(
-            p.numel() for p in MistralForCausalLM(baseline_config("swa", hybrid)).parameters()
-        )
-    per_column = 3 * hybrid.hidden_size * hybrid.num_hidden_layers  # gate, up and down: one column of each per layer
-    return hybrid.intermediate_size + 64 * round(extra / per_column / 64)
-
-
 def baseline_config(name: str, hybrid):
     """The hybrid's shapes without the SSM branch: full attention (Llama), or every layer sliding (Mistral-style;
     vLLM's Llama/Mistral code reads the window per layer from `layer_types`), with the hybrid's MLP or one widened to
@@ -68,6 +53,8 @@ def baseline_config(name: str, hybrid):
     if name == "llama":
         return LlamaConfig(**common)
     if name == "swa-matched":
+        from modeling.lm_benchmark.models import parameter_matched_intermediate_size
+
         common["intermediate_size"] = parameter_matched_intermediate_size(hybrid)
     return MistralConfig(
         **common, sliding_window=hybrid.sliding_window, layer_types=["sliding_attention"] * hybrid.num_hidden_layers
