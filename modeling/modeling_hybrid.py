@@ -30,6 +30,7 @@ from transformers.masking_utils import (
     create_causal_mask,
     create_sliding_window_causal_mask,
     find_packed_sequence_indices,
+    sliding_window_overlay,
 )
 from transformers.modeling_layers import (
     GenericForQuestionAnswering,
@@ -294,8 +295,11 @@ class HybridAttention(nn.Module):
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        attention_window: int | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """attention_window: a sliding layer's window for this forward when narrower than the config's (the masks
+        carry it too; the flash kernels read it here), as `HybridModel.attention_window` sets it."""
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
 
@@ -319,7 +323,7 @@ class HybridAttention(nn.Module):
             attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            sliding_window=self.sliding_window,
+            sliding_window=attention_window if self.sliding_window and attention_window else self.sliding_window,
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1)  # [B, T, H*D]
@@ -387,6 +391,21 @@ class HybridPreTrainedModel(PreTrainedModel):
         "hidden_states": HybridDecoderLayer,
         "attentions": HybridAttention,
     }
+
+    def set_attention_window(self, window: int | None) -> None:
+        """Narrows the sliding layers' attention window to `window` tokens (at most `config.sliding_window`) for the
+        forwards that follow, or restores the config's with None. Full-attention layers are unchanged. A training
+        recipe (`modeling.training.StochasticWindowCallback`): with attention seeing less, the SSM branch has to
+        carry more; the saved model keeps the config's window."""
+        if window is not None:
+            if "sliding_attention" not in self.config.layer_types:
+                raise ValueError("set_attention_window: the model has no sliding-window layer to narrow")
+            if isinstance(window, bool) or not isinstance(window, int) or not 0 < window <= self.config.sliding_window:
+                raise ValueError(
+                    f"set_attention_window takes a window in [1, sliding_window = {self.config.sliding_window}] or "
+                    f"None, got {window!r}"
+                )
+        self.base_model.attention_window = window
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -463,13 +482,15 @@ def hybrid_masks(
     attention_mask: torch.Tensor | None,
     past_key_values: Cache | None,
     position_ids: torch.Tensor | None = None,
+    attention_window: int | None = None,
     **kwargs,
 ) -> dict:
     """The masks of one forward: the attention's, by layer type, and under "ssm" the padding of its tokens [B, T] (1
     for real tokens) that the SSM branch zeroes, or None without a 2D mask (a 4D one carries no padding it can use).
     The padding is taken whatever the mask holds (multiplying by an all-ones mask is exact): no branch on its values,
     so the model exports with a mask. generate() builds these once per step outside a compiled forward
-    (`create_masks_for_generate`), so that the growing 2D mask never enters the graph."""
+    (`create_masks_for_generate`), so that the growing 2D mask never enters the graph. `attention_window` narrows the
+    sliding layers' window (`HybridModel.attention_window`)."""
     mask_kwargs = {
         "config": config,
         "inputs_embeds": inputs_embeds,
@@ -483,7 +504,8 @@ def hybrid_masks(
     if "full_attention" in config.layer_types:
         masks["full_attention"] = create_causal_mask(**mask_kwargs)
     if "sliding_attention" in config.layer_types:
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        narrower = sliding_window_overlay(attention_window) if attention_window else None
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs, and_mask_function=narrower)
     has_padding = attention_mask is not None and attention_mask.ndim == 2
     masks["ssm"] = attention_mask[:, -inputs_embeds.shape[1] :].contiguous() if has_padding else None
     return masks
@@ -501,6 +523,9 @@ class HybridModel(HybridPreTrainedModel):
         self.norm = HybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = HybridRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
+        # A window narrower than `config.sliding_window` for the sliding layers, or None: a training recipe that
+        # leaves more of the context to the SSM branch (`set_attention_window`; not saved with the model).
+        self.attention_window: int | None = None
         self.post_init()
 
     @merge_with_config_defaults
@@ -558,7 +583,7 @@ class HybridModel(HybridPreTrainedModel):
 
         if not isinstance(causal_mask_mapping := attention_mask, dict):
             causal_mask_mapping = hybrid_masks(
-                self.config, inputs_embeds, attention_mask, past_key_values, position_ids
+                self.config, inputs_embeds, attention_mask, past_key_values, position_ids, self.attention_window
             )
         padding_mask = causal_mask_mapping.get("ssm")
 
@@ -572,6 +597,7 @@ class HybridModel(HybridPreTrainedModel):
                 past_key_values=past_key_values,
                 padding_mask=padding_mask,
                 seq_idx=seq_idx,
+                attention_window=self.attention_window,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)

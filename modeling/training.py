@@ -7,6 +7,7 @@ tokenizer is built locally. Writes a `save_pretrained` checkpoint with its token
     python scripts/train.py --output-dir outputs/recall                      # tiny model, recall task
     python scripts/train.py --config my_config.json --text-file corpus.txt --tokenizer TOKENIZER_DIR --output-dir out
     python scripts/train.py --model outputs/recall --steps 200 --output-dir outputs/recall-ft   # fine-tune
+    python scripts/train.py ... --short-window 32     # half of the steps (until 85 %) with attention window 32
 
 Distillation (`--teacher`): the loss is `T^2 KL(teacher || student)` on the next-token distributions at temperature
 `--temperature`, plus `--lm-loss-weight` times the student's own LM loss; the teacher (any causal LM with the
@@ -19,6 +20,7 @@ plus LoRA of rank `--lora-rank` on the attention and MLP projections, merged int
 """
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -26,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 from configuration import HybridConfig
 
@@ -215,6 +224,30 @@ class DistillationTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
 
+class StochasticWindowCallback(TrainerCallback):
+    """Pressure on the SSM branch (SWAX, arXiv 2509.24552): before each optimizer step, the sliding layers' attention
+    window is `short_window` with probability `probability`, else the config's; from `until` (a fraction of the
+    steps) on, always the config's, so that the model ends trained on the window it is served with. Seeded: the same
+    schedule for every run with the same arguments."""
+
+    def __init__(self, short_window: int, probability: float = 0.5, until: float = 0.85, seed: int = 0):
+        if not 0 <= probability <= 1 or not 0 <= until <= 1:
+            raise ValueError(f"probability and until must lie in [0, 1], got {probability} and {until}")
+        self.short_window, self.probability, self.until = short_window, probability, until
+        self.generator = random.Random(seed)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        model.set_attention_window(self.short_window)  # checks the window against the model's before any step
+        model.set_attention_window(None)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        short = state.global_step < self.until * state.max_steps and self.generator.random() < self.probability
+        model.set_attention_window(self.short_window if short else None)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        model.set_attention_window(None)
+
+
 def train(
     model: HybridForCausalLM,
     tokenizer,
@@ -343,7 +376,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0, help="distillation temperature")
     parser.add_argument("--lm-loss-weight", type=float, default=0.0, help="weight of the LM loss beside the KL")
     parser.add_argument("--seed", type=int, default=0)
+    add_stochastic_window_arguments(parser)
     return parser.parse_args(argv)
+
+
+def add_stochastic_window_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `StochasticWindowCallback` (scripts/train.py and scripts/bench_lm.py)."""
+    parser.add_argument(
+        "--short-window",
+        type=int,
+        help="train part of the steps with this narrower attention window (e.g. W/8), to leave more to the SSM branch",
+    )
+    parser.add_argument("--short-window-prob", type=float, default=0.5, help="share of steps with the short window")
+    parser.add_argument(
+        "--short-window-until", type=float, default=0.85, help="fraction of the steps after which the window is W"
+    )
+
+
+def stochastic_window_callbacks(args) -> list[TrainerCallback]:
+    """`[StochasticWindowCallback]` when `--short-window` is given, else none."""
+    if args.short_window is None:
+        return []
+    return [StochasticWindowCallback(args.short_window, args.short_window_prob, args.short_window_until, args.seed)]
 
 
 def main(argv=None):
@@ -392,6 +446,7 @@ def main(argv=None):
         args.weight_decay,
         args.bf16,
         args.gradient_checkpointing,
+        callbacks=stochastic_window_callbacks(args),
         teacher=teacher,
         temperature=args.temperature,
         lm_loss_weight=args.lm_loss_weight,

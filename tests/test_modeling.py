@@ -403,3 +403,43 @@ def test_attention_implementations_agree_with_eager(make_model, attn_implementat
         logits = model(ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(logits[real], reference[real], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa", "flex_attention"])
+def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, attn_implementation, tmp_path):
+    """`set_attention_window(w)` computes what the same weights compute with `sliding_window=w` (the full-attention
+    layer unchanged), in training and with padding; None restores the config's window, which is what is saved."""
+    model = make_model(attn_implementation=attn_implementation, sliding_window=8)
+    narrow = make_model(attn_implementation=attn_implementation, sliding_window=3)
+    narrow.load_state_dict(model.state_dict())
+    ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (21, 14)], model.config.pad_token_id)
+    real = mask.bool()
+    with torch.no_grad():
+        wide_logits = model(ids, attention_mask=mask).logits
+        model.set_attention_window(3)
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).logits[real], narrow(ids, attention_mask=mask).logits[real], atol=ATOL,
+            rtol=1e-4,
+        )
+        assert (model(ids, attention_mask=mask).logits - wide_logits)[real].abs().max() > 1e-3  # the window mattered
+        if attn_implementation != "flex_attention":  # flex trains on the GPU: its CPU build of this graph fails
+            model.train()
+            narrow.train()
+            losses = [m(ids[:1, -21:], labels=ids[:1, -21:]).loss for m in (model, narrow)]  # a training forward
+            torch.testing.assert_close(losses[0], losses[1], atol=ATOL, rtol=1e-4)
+    model.save_pretrained(tmp_path)
+    assert AutoConfig.from_pretrained(tmp_path).sliding_window == 8
+    model.eval()
+    model.set_attention_window(None)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, wide_logits)
+
+
+def test_the_attention_window_is_checked(make_model):
+    model = make_model(sliding_window=8)
+    for window in (0, 9, 2.5, True):
+        with pytest.raises(ValueError, match="set_attention_window takes a window in"):
+            model.set_attention_window(window)
+    assert model.model.attention_window is None
+    with pytest.raises(ValueError, match="no sliding-window layer"):
+        make_model(layer_types=["full_attention"] * 3).set_attention_window(4)

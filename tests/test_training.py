@@ -3,9 +3,10 @@
 import pytest
 import torch
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from modeling.recall_task import RecallTask, collate_left_padded
+from modeling.training import StochasticWindowCallback, train
 
 
 def batch_of_random_tokens(seed: int = 0, batch_size: int = 4, length: int = 21):
@@ -162,3 +163,48 @@ def test_peft_lora_on_the_projection_names(make_model):
     for name, param in lora.named_parameters():
         if name in frozen_before:
             assert torch.equal(param, frozen_before[name]), name
+
+
+class WindowRecorder(TrainerCallback):
+    """The attention window each optimizer step's forwards ran with (after the callbacks before it set it)."""
+
+    def __init__(self):
+        self.windows = []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.windows.append(model.model.attention_window)
+
+
+def test_stochastic_window_schedule_in_a_trainer_run(make_model, tmp_path):
+    """p = 1 until half of the steps: the first half with the short window, the rest with the config's; p = 0.5:
+    about half of the early steps, seeded (the same schedule again), none after `until`; the window is the config's
+    once training ends."""
+    task = RecallTask(num_pairs=1, min_filler=4, max_filler=8)
+    tokenizer = task.build_tokenizer()
+    examples = task.sample_examples(tokenizer, 8 * 20, seed=0)
+    schedules = []
+    for probability, until, seed in ((1.0, 0.5, 0), (0.5, 0.8, 3), (0.5, 0.8, 3)):
+        model = make_model(vocab_size=len(tokenizer), sliding_window=6).train()
+        recorder = WindowRecorder()
+        train(
+            model, tokenizer, examples, str(tmp_path), 20, batch_size=8, disable_tqdm=True,
+            callbacks=[StochasticWindowCallback(2, probability, until, seed), recorder],
+        )  # fmt: skip
+        assert model.model.attention_window is None
+        schedules.append(recorder.windows)
+    assert schedules[0] == [2] * 10 + [None] * 10
+    assert schedules[1] == schedules[2] and set(schedules[1][16:]) == {None}
+    assert 4 <= schedules[1][:16].count(2) <= 12
+
+
+def test_stochastic_window_is_checked_before_training(make_model, tmp_path):
+    with pytest.raises(ValueError, match="probability and until"):
+        StochasticWindowCallback(2, probability=1.5)
+    task = RecallTask(num_pairs=1, min_filler=4, max_filler=8)
+    tokenizer = task.build_tokenizer()
+    model = make_model(vocab_size=len(tokenizer), sliding_window=6)
+    with pytest.raises(ValueError, match="set_attention_window takes a window"):
+        train(
+            model, tokenizer, task.sample_examples(tokenizer, 8, seed=0), str(tmp_path), 2, batch_size=8,
+            disable_tqdm=True, callbacks=[StochasticWindowCallback(7)],
+        )  # fmt: skip

@@ -34,6 +34,8 @@ and peak memory.
     python scripts/bench_lm.py --models upcycled,distilled,distilled-swa --steps 1500   # after `full`
     python scripts/bench_lm.py --models hybrid --steps 1500 --seed 1 --tag seed1   # the noise floor
     python scripts/bench_lm.py --models hybrid --steps 1500 --set ssm_dt_min=1e-4 --tag dt-min-1e-4   # a lever
+    python scripts/bench_lm.py --models hybrid --steps 1500 --short-window 32 --tag short-window   # another
+    python scripts/bench_lm.py --prepare-only; python scripts/bench_lm.py --models swa --steps 1500 &   # two at once
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
 
@@ -52,7 +54,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import head_commit
-from ..training import TRAINING_MODES
+from ..training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
 from .models import FROM_TEACHER, MODELS, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
@@ -88,6 +90,9 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         "seed": args.seed,
         "tag": args.tag,
         "config_overrides": args.config_overrides,
+        "short_window": None
+        if args.short_window is None
+        else {"window": args.short_window, "probability": args.short_window_prob, "until": args.short_window_until},
         "distillation": distillation,
         "train": training,
         "eval": evaluate(model, data, shape, args),
@@ -127,6 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="a HybridConfig field for the hybrid and swa models (repeatable; VALUE read as JSON, else a string)",
     )
     parser.add_argument("--tag", help="names this run's results (results-MODEL-TAG.json) and its rows in reports")
+    add_stochastic_window_arguments(parser)
     parser.add_argument(
         "--attn",
         help="attention implementation for training (default: flex_attention on CUDA, "
@@ -143,6 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", type=Path, help="with --report (or after a run): the loss-by-position PNG")
     parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
     parser.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few steps, CPU")
+    parser.add_argument(
+        "--prepare-only", action="store_true", help="build the corpus, tokenizer and token arrays in OUTPUT_DIR, then stop"
+    )
     args = parser.parse_args(argv)
     if args.report:
         return args
@@ -159,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.validation_fraction = 0.2
         args.tokenizer_bytes = 1 << 20
         args.eval_sequences, args.passkey_probes, args.retrieval_probes = 16, 16, 6
-    elif args.steps is None and args.train_seconds is None:
+    elif args.steps is None and args.train_seconds is None and not args.prepare_only:
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
     if args.distill_mode not in TRAINING_MODES:
         parser.error(f"--distill-mode takes {', '.join(TRAINING_MODES)}; got {args.distill_mode}")
@@ -220,6 +229,8 @@ def main(argv=None) -> int:
         f"{data.stats['list_sha256'][:16]} ({time.perf_counter() - start:.0f} s)"
     )
 
+    if args.prepare_only:
+        return 0
     # The first trained model's probe compiles and times its training, and checks that the attention implementation
     # trains.
     trained = [kind for kind in args.models if kind != "upcycled"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, default_data_collator
 
-from ..training import train
+from ..modeling_hybrid import HybridForCausalLM
+from ..training import stochastic_window_callbacks, train
 from .models import Shape, model_to_train
 from .tokens import PackedSequences, TokenizedCorpus
 
@@ -50,7 +51,8 @@ def train_model(model, tokenizer, dataset, shape: Shape, steps: int, args, outpu
         weight_decay=0.0,
         bf16=torch.cuda.is_available(),
         data_collator=default_data_collator,
-        callbacks=[timer],
+        # The attention-window recipe narrows the hybrids' sliding layers; Llama (`full`) has none.
+        callbacks=[timer, *(stochastic_window_callbacks(args) if isinstance(model, HybridForCausalLM) else [])],
         warmup_steps=max(1, steps // 20),
         adam_beta2=0.95,
         optim="adamw_torch_fused" if torch.cuda.is_available() else "adamw_torch",
