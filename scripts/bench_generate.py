@@ -83,7 +83,8 @@ def timed_generate(model, input_ids, new_tokens: int, device: str, cache: str) -
 
 
 def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str, cache: str) -> tuple[float, str]:
-    """Host syncs per new token, and the top kernels, of one `generate()` under torch.profiler."""
+    """Host syncs per new token, and the top kernels and top host-side ops (by self CPU time: what a step spends
+    outside its kernels), of one `generate()` under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -91,8 +92,10 @@ def host_syncs_and_kernels(model, input_ids, new_tokens: int, device: str, cache
         timed_generate(model, input_ids, new_tokens, device, cache)
     events = prof.key_averages()
     syncs = sum(event.count for event in events if event.key in HOST_SYNC_EVENTS)
-    sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    return syncs / new_tokens, events.table(sort_by=sort_by, row_limit=20)
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if device == "cuda":
+        tables.insert(0, events.table(sort_by="self_cuda_time_total", row_limit=20))
+    return syncs / new_tokens, "\n".join(tables)
 
 
 def cudagraph_skips() -> int:

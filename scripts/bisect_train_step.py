@@ -11,7 +11,8 @@ runs: the probe uses only `HybridConfig`'s fields and `HybridForCausalLM`.
 
 The step: a 383M hybrid (hidden 1024, 24 layers, 16/4 heads x 64, W 1024, tied embeddings), B 2 x T 4096 random
 tokens, bf16 weights, fused AdamW, SDPA, no attention mask; the median of 5 steps after 2 warm-ups, with the peak
-memory. `--swa-tree` adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
+memory, and how long the host takes to issue a step (about the step's wall time when it is host-bound). `--swa-tree`
+adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
 tree, one profiled step: its top CUDA kernels and its host syncs; `--sync-sites` lists where each tree's hybrid and
 SSM-off steps make the host wait for the GPU (PyTorch's sync debug mode, with the Python stack of each).
 """
@@ -73,6 +74,21 @@ def step_times_ms(step, steps: int) -> list[float]:
     return times
 
 
+def host_enqueue_ms(step, steps: int) -> list[float]:
+    """Milliseconds the host takes to issue each of `steps` calls of `step` (until it returns, the GPU left to finish
+    after it): about the wall time when the step is host-bound, well under it when the GPU is the bottleneck."""
+    import torch
+
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(1e3 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return times
+
+
 def sync_sites(step) -> dict[str, int]:
     """The Python stacks (innermost frames) of the ops in one `step()` that synchronize the host with the GPU."""
     import torch
@@ -115,6 +131,7 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
         "step_ms": statistics.median(times),
         "steps_ms": times,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "host_ms": statistics.median(host_enqueue_ms(step, steps)),
         "params": sum(p.numel() for p in model.parameters()),
     }
     if find_syncs:
@@ -196,6 +213,7 @@ def main() -> int:
             if "step_ms" in result:
                 results[label[run]]["steps_ms"].append(result["step_ms"])
             print(f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
+                  f"(host issues it in {result.get('host_ms', float('nan')):6.1f} ms)  "
                   f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}", flush=True)
             save()
     anchor_times = results[label[runs[-1]]]["steps_ms"] if args.swa_tree else []
