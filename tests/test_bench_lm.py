@@ -2,6 +2,7 @@
 naive references, the pipeline (--smoke)."""
 
 import json
+import re
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -34,6 +35,8 @@ from modeling.lm_benchmark.evaluation import (
     token_losses,
 )
 from modeling.lm_benchmark.models import SMOKE_SHAPE, Shape, build_model
+from modeling.lm_benchmark.retrieval_data import TRAINING_FORMATS, WithSyntheticRetrievals
+from modeling.lm_benchmark.tokens import PackedSequences
 from modeling.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
 
 
@@ -346,6 +349,49 @@ def test_retrieval_probes_and_their_scoring(code_tokenizer_and_files):
     assert result["retrieved"] == pytest.approx(result["logprob"] - result["logprob_without_assignment"], abs=2e-4)
 
 
+def test_synthetic_retrievals_in_the_training_sequences(code_tokenizer_and_files):
+    """A share of the sequences carry an assignment at a line start and, min_gap..max_gap tokens after it, the line
+    that repeats its value after its key, in one of the training formats; the rest of each sequence is the stream's,
+    and the other sequences are left alone."""
+    tokenizer, files = code_tokenizer_and_files
+    packed = PackedSequences(np.concatenate(files), 2048)
+    data = WithSyntheticRetrievals(packed, tokenizer, share=0.5, min_gap=100, max_gap=200, seed=0)
+    assert len(data) == len(packed)
+    carried = [i for i in range(len(data)) if data.carries_retrieval(i)]
+    assert 0.25 * len(data) < len(carried) < 0.75 * len(data)
+    patterns = [
+        tuple(re.escape(line).replace(r"\{key\}", r"(\w+)").replace(r"\{value\}", r"([\w-]+)") for line in pair)
+        for pair in TRAINING_FORMATS
+    ]
+    for index in range(len(data)):
+        item, original = data[index], packed[index]["input_ids"]
+        assert item["input_ids"].shape == original.shape and torch.equal(item["labels"], item["input_ids"])
+        if index not in carried:
+            assert torch.equal(item["input_ids"], original)
+            continue
+        (start, assignment), (use_start, use) = data.placement(index, original)
+        ids = item["input_ids"]
+        assert ids[start : start + len(assignment)].tolist() == assignment and start > 0
+        before = tokenizer.decode(original[start - 1 : start])
+        assert "\n" in before and not before.rsplit("\n", 1)[1].strip()  # a newline, then only indentation
+        assert ids[use_start : use_start + len(use)].tolist() == use
+        assert 100 <= use_start - (start + len(assignment)) <= 200
+        untouched = torch.ones_like(ids, dtype=torch.bool)
+        untouched[start : start + len(assignment)] = untouched[use_start : use_start + len(use)] = False
+        assert torch.equal(ids[untouched], original[untouched])
+        texts = tokenizer.decode(assignment), tokenizer.decode(use)
+        matches = [(re.fullmatch(a, texts[0]), re.fullmatch(u, texts[1])) for a, u in patterns]
+        (assigned, used), = [m for m in matches if all(m)]
+        key, value = assigned.groups()
+        assert used.groups() == (key, value)
+        assert re.fullmatch(r"[a-z]+[A-Z][a-z]+[0-9]", key) and re.fullmatch(r"[a-z]{6}-[0-9]{3}", value)
+    again = WithSyntheticRetrievals(packed, tokenizer, share=0.5, min_gap=100, max_gap=200, seed=0)
+    assert all(torch.equal(data[i]["input_ids"], again[i]["input_ids"]) for i in carried[:3])  # deterministic
+    assert not any(WithSyntheticRetrievals(packed, tokenizer, 0.0, 100, 200).carries_retrieval(i) for i in carried)
+    with pytest.raises(ValueError, match="do not fit in a training sequence"):
+        WithSyntheticRetrievals(packed, tokenizer, share=1.0, min_gap=2100, max_gap=2100)[0]
+
+
 def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     tokenizer, _ = code_tokenizer_and_files
     shape = Shape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
@@ -368,6 +414,7 @@ def test_bad_arguments_are_refused(capsys):
         (["--steps", "3", "--set", "ssm_dt_mn=1e-4"], "HybridConfig field"),
         (["--steps", "3", "--set", "ssm_dt_min"], "FIELD=VALUE"),
         (["--steps", "3", "--set", "sliding_window=-3"], "--set"),
+        (["--steps", "3", "--retrieval-data-share", "1.5"], "--retrieval-data-share"),
     ):
         with pytest.raises(SystemExit) as error:
             cli.parse_args(argv)
@@ -412,6 +459,20 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
     report = capsys.readouterr().out.replace(f"plot: {plot}\n", "")
     assert table.rstrip().endswith(report.rstrip())  # the run's own tables, again from its JSON
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_smoke_runs_a_lever_study(tmp_path, capsys):
+    """The levers reach the run and its record: config fields (`--set`), the stochastic window, the synthetic
+    retrievals; `--tag` names the results."""
+    torch.set_num_threads(1)
+    argv = ["--smoke", "--steps", "4", "--output-dir", str(tmp_path), "--models", "hybrid", "--tag", "levers"]
+    argv += ["--set", "ssm_dt_min=0.0001", "--short-window", "4", "--retrieval-data-share", "1.0"]
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "results-hybrid-levers.json").read_text())
+    assert result["config_overrides"] == {"ssm_dt_min": 0.0001} and result["tag"] == "levers"
+    assert result["short_window"] == {"window": 4, "probability": 0.5, "until": 0.85}
+    assert result["retrieval_data_share"] == 1.0
+    assert "| hybrid [levers] |" in capsys.readouterr().out
 
 
 def test_smoke_upcycles_the_trained_full_model_and_distils_it(tmp_path, capsys):

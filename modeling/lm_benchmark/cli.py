@@ -35,6 +35,7 @@ and peak memory.
     python scripts/bench_lm.py --models hybrid --steps 1500 --seed 1 --tag seed1   # the noise floor
     python scripts/bench_lm.py --models hybrid --steps 1500 --set ssm_dt_min=1e-4 --tag dt-min-1e-4   # a lever
     python scripts/bench_lm.py --models hybrid --steps 1500 --short-window 32 --tag short-window   # another
+    python scripts/bench_lm.py --models hybrid --steps 1500 --retrieval-data-share 0.02 --tag data   # the data lever
     python scripts/bench_lm.py --prepare-only; python scripts/bench_lm.py --models swa --steps 1500 &   # two at once
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
@@ -59,6 +60,7 @@ from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
 from .models import FROM_TEACHER, MODELS, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
 from .report import plot, print_table
+from .retrieval_data import WithSyntheticRetrievals
 from .timed_training import probe_seconds_per_step, train_model
 from .tokens import PackedSequences, TokenizedCorpus, prepare_data
 
@@ -66,6 +68,11 @@ from .tokens import PackedSequences, TokenizedCorpus, prepare_data
 def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
     """Builds, trains (`upcycled`: not) and evaluates one model; returns its results, as `results-KIND.json` holds them."""
     dataset = PackedSequences(data.train, shape.context)
+    if args.retrieval_data_share:  # gaps of 2W-8W tokens, at most half a sequence (the smoke shape's T is 8W)
+        max_gap = min(8 * shape.window, shape.context // 2)
+        dataset = WithSyntheticRetrievals(
+            dataset, data.tokenizer, args.retrieval_data_share, min(2 * shape.window, max_gap), max_gap, args.seed
+        )
     model, extra = model_to_train(kind, data, shape, args)
     if kind == "upcycled":
         steps = 0
@@ -90,6 +97,7 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         "seed": args.seed,
         "tag": args.tag,
         "config_overrides": args.config_overrides,
+        "retrieval_data_share": args.retrieval_data_share,
         "short_window": None
         if args.short_window is None
         else {"window": args.short_window, "probability": args.short_window_prob, "until": args.short_window_until},
@@ -134,6 +142,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tag", help="names this run's results (results-MODEL-TAG.json) and its rows in reports")
     add_stochastic_window_arguments(parser)
     parser.add_argument(
+        "--retrieval-data-share",
+        type=float,
+        default=0.0,
+        help="share of training sequences that carry a synthetic retrieval (a key assigned, used 2W-8W tokens later)",
+    )
+    parser.add_argument(
         "--attn",
         help="attention implementation for training (default: flex_attention on CUDA, "
         "sdpa on CPU); evaluation always runs SDPA",
@@ -170,6 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_sequences, args.passkey_probes, args.retrieval_probes = 16, 16, 6
     elif args.steps is None and args.train_seconds is None and not args.prepare_only:
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
+    if not 0 <= args.retrieval_data_share <= 1:
+        parser.error(f"--retrieval-data-share must lie in [0, 1], got {args.retrieval_data_share}")
     if args.distill_mode not in TRAINING_MODES:
         parser.error(f"--distill-mode takes {', '.join(TRAINING_MODES)}; got {args.distill_mode}")
     if "distilled-swa" in args.models and args.distill_mode != "all":

@@ -50,7 +50,11 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
     forward and backward (a [32, 16] fp32 state block, 16 values per thread). With one warp the block's reductions
     are shuffles, not shared-memory round trips, and many small programs per SM hide each other's load latency.
     Larger N keeps 16 values per thread with more warps. Chunks only as short as needed for ~4096 programs (~30 per
-    H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element)."""
+    H200 SM): every chunk boundary costs a stage-0 rerun (one more exp per element). Segments of 64 steps: the
+    training forward keeps N / 64 fp32 checkpoint values per token and channel (a quarter of what 16 kept), which took
+    the issue-36 training step's peak from 18.49 to 17.94 GiB (1.24x to 1.20x the SSM-off model's) with the step time
+    within the run-to-run spread (bench_results/2026-12-03-h200-train-step-*); the backward's per-program scratch grows
+    to 64 states (~512 MiB across a launch of ~4096 programs, freed after each layer)."""
     block_n = triton.next_power_of_2(state_size)
     block_e = overrides.get("block_e") or (32 if block_n <= 16 else 16)
     programs = num_seqs * triton.cdiv(num_channels, block_e)
@@ -59,7 +63,7 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
     blocks = ScanBlocks(
         block_e=block_e,
         chunk=chunk,
-        seg=min(overrides.get("seg") or 16, chunk),
+        seg=min(overrides.get("seg") or 64, chunk),
         unroll=overrides.get("unroll") or 1,
         num_warps=overrides.get("num_warps") or max(1, min(8, block_e * block_n // 512)),
         bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, bwd_block_e * block_n // 512)),
