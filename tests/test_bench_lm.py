@@ -394,7 +394,9 @@ def test_synthetic_retrievals_in_the_training_sequences(code_tokenizer_and_files
 
 def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     tokenizer, _ = code_tokenizer_and_files
-    shape = Shape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+    shape = Shape(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+    )
     counts = {kind: build_model(kind, shape, tokenizer, "sdpa", 0).num_parameters() for kind in MATCHED}
     assert counts["swa"] < counts["hybrid"]
     per_64_columns = 3 * 64 * shape.hidden_size * shape.num_hidden_layers

@@ -36,12 +36,12 @@ and peak memory.
     python scripts/bench_lm.py --models hybrid --steps 1500 --set ssm_dt_min=1e-4 --tag dt-min-1e-4   # a lever
     python scripts/bench_lm.py --models hybrid --steps 1500 --short-window 32 --tag short-window   # another
     python scripts/bench_lm.py --models hybrid --steps 1500 --retrieval-data-share 0.02 --tag data   # the data lever
-    python scripts/bench_lm.py --prepare-only; python scripts/bench_lm.py --models swa --steps 1500 &   # two at once
+    python scripts/bench_lm.py --models hybrid --shape small --steps 6000    # a smaller model for more tokens
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
 
-Each model's results go to `OUTPUT_DIR/results-MODEL.json` (`results-MODEL-TAG.json` with `--tag`); the corpus, tokenizer and token arrays are cached in
-`OUTPUT_DIR` and reused while the file list (its hash) is the same.
+Each model's results go to `OUTPUT_DIR/results-MODEL.json` (`results-MODEL-TAG.json` with `--tag`); the corpus,
+tokenizer and token arrays are cached in `OUTPUT_DIR` and reused while the file list (its hash) is the same.
 """
 
 import argparse
@@ -58,7 +58,7 @@ from ..provenance import head_commit
 from ..training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
-from .models import FROM_TEACHER, MODELS, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
+from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
 from .report import plot, print_table
 from .retrieval_data import WithSyntheticRetrievals
 from .timed_training import probe_seconds_per_step, train_model
@@ -122,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     budget.add_argument("--steps", type=int, help="optimizer steps per model")
     budget.add_argument("--train-seconds", type=float, help="pick the steps that fit this budget for the first model")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/bench_lm"))
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="base", help="the models' shape (models.SHAPES; default base)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
         "--teacher", type=Path, help="the trained `full` checkpoint (default: OUTPUT_DIR/full/checkpoint)"
@@ -157,14 +160,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokenizer-bytes", type=int, default=64 << 20, help="training text for the tokenizer")
     parser.add_argument("--eval-sequences", type=int, default=256)
     parser.add_argument("--eval-batch-size", type=int, default=8)
-    parser.add_argument("--passkey-probes", type=int, default=200, help="probes per distance")
-    parser.add_argument("--retrieval-probes", type=int, default=120, help="graded retrieval probes per distance")
+    parser.add_argument("--passkey-probes", type=int, default=200, help="probes per distance (0: no passkey probe)")
+    parser.add_argument(
+        "--retrieval-probes", type=int, default=120, help="graded retrieval probes per distance (0: none)"
+    )
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON", help="print the table of these results")
     parser.add_argument("--plot", type=Path, help="with --report (or after a run): the loss-by-position PNG")
     parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
     parser.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few steps, CPU")
     parser.add_argument(
-        "--prepare-only", action="store_true", help="build the corpus, tokenizer and token arrays in OUTPUT_DIR, then stop"
+        "--prepare-only",
+        action="store_true",
+        help="build the corpus, tokenizer and token arrays in OUTPUT_DIR, then stop",
     )
     args = parser.parse_args(argv)
     if args.report:
@@ -232,7 +239,7 @@ def main(argv=None) -> int:
             print(f"plot: {args.plot}")
         return 0
 
-    shape = SMOKE_SHAPE if args.smoke else Shape()
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
     roots = python_source_roots()
     if args.smoke:
         roots = [root for root in roots if root[0] == "stdlib"]

@@ -279,7 +279,9 @@ def retrieval_probes(
 
 
 @torch.no_grad()
-def continuation_logprob(model, prefixes: list[list[int]], continuations: list[list[int]], batch_size: int) -> np.ndarray:
+def continuation_logprob(
+    model, prefixes: list[list[int]], continuations: list[list[int]], batch_size: int
+) -> np.ndarray:
     """Per pair, the mean log-probability per token of `continuation` after `prefix` (teacher forced). Rows are left
     padded with a mask, so that every continuation ends the row. [len(prefixes)]"""
     device = next(model.parameters()).device
@@ -394,12 +396,12 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
         "passkey": {},
         "retrieval": {},
     }
-    for multiple in (0.5, 2, 4, 8, 16):
+    for multiple in (0.5, 2, 4, 8, 16) if args.passkey_probes else ():
         distance = int(multiple * shape.window)
         probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, PROBE_SEED)
         key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
         result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
-    for multiple in RETRIEVAL_DISTANCES:
+    for multiple in RETRIEVAL_DISTANCES if args.retrieval_probes else ():
         distance = int(multiple * shape.window)
         probes = retrieval_probes(data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED)
         longest = max(len(p.assignment + p.filler + p.question + p.value) for p in probes)

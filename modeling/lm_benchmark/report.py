@@ -37,7 +37,7 @@ def print_table(results: list[dict]) -> None:
             f"{tok_s:,}" if tok_s else "-",
             f"{ev['mean_loss']:.3f}",
             *(f"{ev['loss_by_bucket'][b]:.3f}" for b in buckets),
-            *(f"{ev['passkey'][p]:.2f}" for p in passkeys),
+            *(f"{ev['passkey'][p]:.2f}" if p in ev["passkey"] else "-" for p in passkeys),
         ]
         print("| " + " | ".join(row) + " |")
     with_gain = [r for r in results if "context_beyond_2W" in r["eval"]]
@@ -87,7 +87,7 @@ def print_retrieval(results: list[dict]) -> None:
     print("| model | " + " | ".join(distances) + " |")
     print("|" + "---|" * (len(distances) + 1))
     for r in with_retrieval:
-        cells = [f"{r['eval']['retrieval'][d]['retrieved']:+.3f}" for d in distances]
+        cells = [_retrieved(r, d) for d in distances]
         print(f"| {label(r)} | " + " | ".join(cells) + " |")
 
 
@@ -126,10 +126,15 @@ def print_decision(results: list[dict]) -> None:
         gain = r["eval"]["ssm_beyond_reset"].get("2W", {}).get("gain")
         share = f"{gain / full_gain:.0%}" if gain is not None and full_gain else "-"
         guard = r["eval"]["loss_by_bucket"]["[0,W)"] - baseline
-        cells = [f"{r['eval']['retrieval'][d]['retrieved']:+.3f}" for d in far]
+        cells = [_retrieved(r, d) for d in far]
         tok_s = r["train"]["tokens_per_second"]
         cells.append(f"{tok_s:,}" if tok_s else "-")
         print(f"| {label(r)} | {_loss(gain)} | {share} | {guard:+.4f} | " + " | ".join(cells) + " |")
+
+
+def _retrieved(result: dict, distance: str) -> str:
+    score = result["eval"].get("retrieval", {}).get(distance)
+    return "-" if score is None else f"{score['retrieved']:+.3f}"
 
 
 def _loss(value) -> str:
