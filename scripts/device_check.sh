@@ -14,6 +14,7 @@
 #                                          # (3 rounds, one profiled step; TREES: more trees beside this one, as
 #                                          # bisect_train_step.py takes them) and generate() at the small shape
 #                                          # against Mistral, static and dynamic caches
+#   bash scripts/device_check.sh lm ARGS...  # scripts/bench_lm.py ARGS (the memory program's runs), results to $OUT
 #   bash scripts/device_check.sh startup   # scripts/check_engine_start.py (vLLM staged): build, save and convert a
 #                                          # ~1B model, then LLM() with vLLM's defaults in the same process, under a
 #                                          # time limit (a hang fails it)
@@ -89,6 +90,20 @@ case "${1:-kernels}" in
       --json "$OUT/generate_small.json" 2>&1 | tee "$OUT/generate_small.log" | tail -8
     exit $((train_status || PIPESTATUS[0]))
     ;;
+  lm)
+    # One bench_lm.py run (issue 31's memory program), its results JSON and log brought back; the corpus is built in
+    # the call (the machine keeps nothing between leases). E.g. `lm --models hybrid --steps 800 --seed 1 --tag seed1
+    # --commit $(git rev-parse --short HEAD)`: give --commit, the device copy's git metadata lags the working tree.
+    shift
+    name=bench_lm-$(date +%H%M%S)
+    timeout "${LM_TIMEOUT_S:-560}" python3 scripts/bench_lm.py --corpus-bytes 600000000 --output-dir outputs/bench_lm \
+      "$@" > "$OUT/$name.log" 2>&1
+    status=$?
+    ((status == 124)) && echo "bench_lm.py ran out of the call's time: only the models finished before are saved"
+    cp outputs/bench_lm/results-*.json "$OUT/" 2>/dev/null
+    grep -v "it/s\]\|^{'loss'" "$OUT/$name.log" | tail -40
+    exit "$status"
+    ;;
   startup)
     export VLLM_USE_FLASHINFER_SAMPLER=0
     timeout 420 python3 scripts/check_engine_start.py /tmp/engine_start 2>&1 | tee "$OUT/engine_start.log" \
@@ -129,7 +144,7 @@ case "${1:-kernels}" in
     exit $((tests_status || serving_status))
     ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm [K]|steps|startup|serving ARGS|both K ARGS" >&2
+    echo "usage: $0 kernels|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS" >&2
     exit 2
     ;;
 esac
