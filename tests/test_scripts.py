@@ -65,6 +65,7 @@ def test_served_questions_are_the_measured_answers():
     assert questions == [(" ".join(words[1:t]), words[t]) for t in answers]
 
 
+@pytest.mark.slow  # ~3 minutes a seed on 2 cores; CI runs it with the slow tests
 @pytest.mark.parametrize("seed", [0, 1], ids=["seed0", "seed1"])
 def test_demo_training_recalls_beyond_the_window_where_the_control_guesses(tmp_path, seed):
     """The demo's training, shortened: the hybrid learns the recall, the attention-only control stays at chance."""
@@ -119,6 +120,7 @@ def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     assert (tuned / "tokenizer.json").exists()
 
 
+@pytest.mark.slow
 def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
     """bench_ab.py against this same tree, at toy sizes in Triton's interpreter (bench_kernels' --smoke timer): each
     tree runs once per round in ABBA order, and every row of one tree's runs is paired with the same row of the

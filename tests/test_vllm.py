@@ -72,6 +72,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
 FP32_TIE = 2e-3  # nats: twice the logprob tolerance; a closer top-2 gap may flip between summation orders
 
 
+@pytest.mark.slow  # two vLLM workers on 2 cores: ~2 minutes
 @needs_two_workers
 def test_tensor_parallel_2_matches_transformers(checkpoints):
     """Tensor parallel 2 (attention heads, SSM channels and the MLP sharded; the KV head replicated) on the prompts of
