@@ -79,6 +79,11 @@ def is_ssm_parameter(name: str) -> bool:
     return ".self_attn.ssm." in name
 
 
+def is_ssm_dynamics_parameter(name: str) -> bool:
+    """Whether a parameter is the SSM branch's A_log or D (which train without weight decay)."""
+    return is_ssm_parameter(name) and name.rsplit(".", 1)[-1] in ("A_log", "D")
+
+
 def prepare_trainable(
     model: HybridForCausalLM, mode: str = "all", lora_rank: int = 16, lora_alpha: int | None = None
 ) -> torch.nn.Module:
@@ -165,8 +170,18 @@ def _kl_sum(student_rows: torch.Tensor, teacher_rows: torch.Tensor, temperature:
     return F.kl_div(student_log_probs, teacher_log_probs, reduction="sum", log_target=True)
 
 
-class DistillationTrainer(Trainer):
-    """`Trainer` whose loss is `distillation_kl(student, teacher)` plus `lm_loss_weight` times the student's LM loss.
+class HybridTrainer(Trainer):
+    """`Trainer` that applies no weight decay to the SSM branch's A_log and D, as Mamba trains them (decay would pull
+    every state's rate -exp(A_log) towards -1 and the skip D towards 0); biases and norms are spared as `Trainer`
+    spares them."""
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return [name for name in super().get_decay_parameter_names(model) if not is_ssm_dynamics_parameter(name)]
+
+
+class DistillationTrainer(HybridTrainer):
+    """`HybridTrainer` whose loss is `distillation_kl(student, teacher)` plus `lm_loss_weight` times the student's LM
+    loss.
 
     The teacher runs on each training batch under `no_grad` (in the autocast of `--bf16`, as the student does) and is
     given `TEACHER_INPUTS` of it; it is not part of the trained model, so neither the optimizer nor the checkpoints
@@ -270,9 +285,9 @@ def train(
     lm_loss_weight: float = 0.0,
     **training_arguments,
 ) -> Trainer:
-    """Trains `model` in place with `Trainer` (AdamW, 10 % warmup, then `lr_scheduler_type`; progress bar), or with
-    a `DistillationTrainer` when a `teacher` is given (`temperature`, `lm_loss_weight`: its loss). Only the parameters
-    that require grad train (`prepare_trainable`).
+    """Trains `model` in place with `HybridTrainer` (AdamW, no weight decay on the SSM's A_log and D, 10 % warmup,
+    then `lr_scheduler_type`; progress bar), or with a `DistillationTrainer` when a `teacher` is given
+    (`temperature`, `lm_loss_weight`: its loss). Only the parameters that require grad train (`prepare_trainable`).
 
     The defaults learn the recall task on every seed. Measured there: at lr 1e-2 with neither weight decay nor
     clipping, the SSM branch's chain of products (in_proj, conv, x_proj, dt_proj) grew until dt at filler tokens
@@ -300,7 +315,7 @@ def train(
         dataloader_drop_last=True,
         run_name=description or None,
     )
-    trainer_class, distillation = Trainer, {}
+    trainer_class, distillation = HybridTrainer, {}
     if teacher is not None:
         trainer_class = DistillationTrainer
         distillation = {"teacher": teacher, "temperature": temperature, "lm_loss_weight": lm_loss_weight}

@@ -208,3 +208,24 @@ def test_stochastic_window_is_checked_before_training(make_model, tmp_path):
             model, tokenizer, task.sample_examples(tokenizer, 8, seed=0), str(tmp_path), 2, batch_size=8,
             disable_tqdm=True, callbacks=[StochasticWindowCallback(7)],
         )  # fmt: skip
+
+
+def test_weight_decay_spares_the_ssm_dynamics_as_mamba_does(make_model, tmp_path):
+    """A_log and D (and the biases and norms, as Trainer spares them) train without weight decay; the projections
+    decay. Also through PEFT's wrapper, whose names carry a prefix."""
+    from modeling.training import HybridTrainer, prepare_trainable
+
+    args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, use_cpu=True, report_to=[])
+    for model in (make_model(), prepare_trainable(make_model(), "ssm+lora", lora_rank=2)):
+        trainer = HybridTrainer(model=model, args=args)
+        decayed = set(trainer.get_decay_parameter_names(model))
+        names = {name for name, _ in model.named_parameters()}
+        ssm = {name for name in names if ".self_attn.ssm." in name}
+        dynamics = {n for n in ssm if n.endswith((".A_log", ".D"))}
+        assert dynamics and not dynamics & decayed
+        assert {n for n in ssm if n.endswith(("in_proj.weight", "x_proj.weight", "out_proj.weight"))} <= decayed
+        assert not {n for n in decayed if n.endswith("bias") or "norm" in n}
+        optimizer = trainer.create_optimizer()
+        no_decay = {id(p) for group in optimizer.param_groups if group["weight_decay"] == 0 for p in group["params"]}
+        by_name = dict(model.named_parameters())
+        assert all(id(by_name[n]) in no_decay for n in dynamics if by_name[n].requires_grad)
