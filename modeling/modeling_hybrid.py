@@ -53,7 +53,13 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration import HybridConfig
 
-from .ops import causal_conv1d_ref, causal_conv1d_update_ref, selective_scan_ref, selective_state_update_ref
+from .ops import (
+    causal_conv1d_ref,
+    causal_conv1d_update_ref,
+    mamba_inner_ref,
+    selective_scan_ref,
+    selective_state_update_ref,
+)
 
 
 logger = logging.get_logger(__name__)
@@ -64,22 +70,29 @@ is_fast_path_available = importlib.util.find_spec("triton") is not None
 
 
 class SSMOps(NamedTuple):
-    """The SSM branch's ops, all Triton kernels or all PyTorch references (same signatures): the conv and the scan
-    over sequences, and the one-token decode step of each, in place on the cached history and state."""
+    """The SSM branch's ops, all Triton kernels or all PyTorch references (same signatures): the whole branch between
+    its projections with no cache (one autograd node on the kernels), the conv and the scan over sequences, and the
+    one-token decode step of each, in place on the cached history and state."""
 
+    mamba_inner: Callable
     causal_conv1d: Callable
     selective_scan: Callable
     conv_update: Callable
     state_update: Callable
 
 
-REFERENCE_OPS = SSMOps(causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref, selective_state_update_ref)
+REFERENCE_OPS = SSMOps(
+    mamba_inner_ref, causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref, selective_state_update_ref
+)
 KERNEL_OPS = None
 if is_fast_path_available:
     from .ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
+    from .ops.mamba_inner.interface import mamba_inner_fn
     from .ops.selective_scan.interface import selective_scan_fn, selective_state_update
 
-    KERNEL_OPS = SSMOps(causal_conv1d_fn, selective_scan_fn, causal_conv1d_update, selective_state_update)
+    KERNEL_OPS = SSMOps(
+        mamba_inner_fn, causal_conv1d_fn, selective_scan_fn, causal_conv1d_update, selective_state_update
+    )
 
 
 class HybridCache(DynamicCache):
@@ -201,7 +214,15 @@ class HybridSSM(nn.Module):
 
         # 1. Input projection: xs feeds the conv and the scan, z gates the output. Padding is zeroed so that the conv
         #    of the first real token sees the same zero history as at the start of a sequence.
-        xs, z = self.in_proj(hidden_states).chunk(2, dim=-1)  # [B, T, E] each
+        xz = self.in_proj(hidden_states)  # [B, T, 2E]
+        if past_key_values is None and self._inner_modules_are_plain():
+            # Steps 2-4 below as one op: on the kernels one autograd node instead of about a dozen
+            y = ops.mamba_inner(
+                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
+                self.A_log, self.D, padding_mask, seq_idx,
+            )  # fmt: skip
+            return self.out_proj(y)
+        xs, z = xz.chunk(2, dim=-1)  # [B, T, E] each
         if padding_mask is not None:
             xs = xs * padding_mask[..., None].to(xs.dtype)
 
@@ -251,6 +272,18 @@ class HybridSSM(nn.Module):
         y = torch.empty_like(u)
         ops.state_update(layer_cache.recurrent_states[0], u, dt, A, B, C, self.D, z, self.dt_proj.bias, rows, y)
         return y
+
+    def _inner_modules_are_plain(self) -> bool:
+        """Whether `mamba_inner` may read conv1d's, x_proj's and dt_proj's weights directly instead of calling them:
+        only when they are the plain torch modules with no hooks. An adapter (PEFT), a quantised layer or a hook on
+        any of them needs the module path, which calls each module."""
+        hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        if any(getattr(nn.modules.module, f"_global{name}") for name in hooks):
+            return False
+        return all(
+            type(module) is plain and not any(getattr(module, name) for name in hooks)
+            for module, plain in ((self.conv1d, nn.Conv1d), (self.x_proj, nn.Linear), (self.dt_proj, nn.Linear))
+        )
 
     def _ops_for(self, hidden_states: torch.Tensor) -> SSMOps:
         """The Triton kernels for CUDA tensors, else the PyTorch references."""

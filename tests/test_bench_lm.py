@@ -455,12 +455,12 @@ def test_smoke_runs_the_pipeline_and_reports_the_three_models(tmp_path, capsys):
     assert tokenizer.eos_token == EOS and tokenizer.pad_token_id != tokenizer.eos_token_id
     assert {r["corpus"]["tokenizer_vocab_size"] for r in results.values()} == {len(tokenizer)}
 
-    plot = tmp_path / "lm.png"
+    plot, decision_plot = tmp_path / "lm.png", tmp_path / "decision.png"
     paths = [str(tmp_path / f"results-{m}.json") for m in results]
-    assert cli.main(["--report", *paths, "--plot", str(plot)]) == 0
-    report = capsys.readouterr().out.replace(f"plot: {plot}\n", "")
+    assert cli.main(["--report", *paths, "--plot", str(plot), "--decision-plot", str(decision_plot)]) == 0
+    report = capsys.readouterr().out.replace(f"plot: {plot}\n", "").replace(f"plot: {decision_plot}\n", "")
     assert table.rstrip().endswith(report.rstrip())  # the run's own tables, again from its JSON
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot.read_bytes()[:8] == decision_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_smoke_runs_a_lever_study(tmp_path, capsys):

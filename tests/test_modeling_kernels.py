@@ -61,6 +61,49 @@ def test_logits_and_gradients_match_the_reference_path(make_model, kernels_on_cp
         torch.testing.assert_close(param.grad, reference_grads[name].grad, atol=2e-4, rtol=1e-3, msg=name)
 
 
+def autograd_node_names(output: torch.Tensor) -> set[str]:
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return {type(node).__name__ for node in seen}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_branch_and_the_module_path_give_the_same_output_and_gradients(make_model, kernels_on_cpu, dtype):
+    """Without a cache the branch runs as one autograd node (`mamba_inner_fn`) when conv1d, x_proj and dt_proj are
+    plain modules; a hook on one of them (as an adapter or a quantised layer would be) sends it through the modules
+    one by one. Both paths compute the same function, over padded rows too."""
+    model = make_model().to(DEVICE, dtype).train()
+    ssm = model.model.layers[0].self_attn.ssm
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 13, model.config.hidden_size, generator=generator).to(DEVICE, dtype)
+    padding_mask = torch.ones(2, 13, dtype=torch.long, device=DEVICE)
+    padding_mask[1, :4] = 0
+    dy = torch.randn(2, 13, ssm.out_proj.out_features, generator=generator).to(DEVICE, dtype)
+    results = {}
+    for path in ("fused", "modules"):
+        hook = ssm.x_proj.register_forward_hook(lambda *args: None) if path == "modules" else None
+        model.zero_grad()
+        leaf = hidden.clone().requires_grad_()
+        out = ssm(leaf, padding_mask=padding_mask)
+        nodes = autograd_node_names(out)
+        assert ("MambaInnerFunctionBackward" in nodes) == (path == "fused"), (path, nodes)
+        assert ("SelectiveScanFunctionBackward" in nodes) == (path == "modules"), (path, nodes)
+        (out * dy).sum().backward()
+        results[path] = (out.detach(), leaf.grad, {n: p.grad.clone() for n, p in ssm.named_parameters()})
+        if hook is not None:
+            hook.remove()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    (out_f, dh_f, grads_f), (out_m, dh_m, grads_m) = results["fused"], results["modules"]
+    torch.testing.assert_close(out_f, out_m, **tol)
+    torch.testing.assert_close(dh_f, dh_m, **tol)
+    for name, grad in grads_f.items():
+        torch.testing.assert_close(grad, grads_m[name], **tol, msg=name)
+
+
 def test_training_keeps_no_float32_copy_of_the_step_for_backward(make_model, kernels_on_cpu):
     """The step's softplus runs inside the scan, so what the backward keeps of dt is dt_proj's output in the model's
     dtype, not float32 [B, T, E] tensors from before and after an elementwise softplus (2x bf16's bytes each: 1.2 GB

@@ -59,7 +59,7 @@ from ..training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
 from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
-from .report import plot, print_table
+from .report import plot, plot_decision, print_table
 from .retrieval_data import WithSyntheticRetrievals
 from .timed_training import probe_seconds_per_step, train_model
 from .tokens import PackedSequences, TokenizedCorpus, prepare_data
@@ -166,6 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--report", nargs="+", type=Path, metavar="JSON", help="print the table of these results")
     parser.add_argument("--plot", type=Path, help="with --report (or after a run): the loss-by-position PNG")
+    parser.add_argument(
+        "--decision-plot",
+        type=Path,
+        help="with --report (or after a run): the memory program's PNG (retrieval by distance, the SSM's gain)",
+    )
     parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
     parser.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few steps, CPU")
     parser.add_argument(
@@ -237,6 +242,9 @@ def main(argv=None) -> int:
         if args.plot:
             plot(results, args.plot)
             print(f"plot: {args.plot}")
+        if args.decision_plot:
+            plot_decision(results, args.decision_plot)
+            print(f"plot: {args.decision_plot}")
         return 0
 
     shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
@@ -281,4 +289,6 @@ def main(argv=None) -> int:
     print_table(results)
     if args.plot:
         plot(results, args.plot)
+    if args.decision_plot:
+        plot_decision(results, args.decision_plot)
     return 0

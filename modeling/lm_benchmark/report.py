@@ -200,3 +200,48 @@ def plot(results: list[dict], path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=130)
+
+
+def plot_decision(results: list[dict], path: Path) -> None:
+    """The memory program's plot: left, graded retrieval (the value's log-prob with its assignment in context minus
+    without) against the assignment's distance, one line per run; right, the loss the SSM branch alone saves beyond
+    2W for each hybrid run, against full attention's gain from context older than 2W (the primary's denominator)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (retrieval, share) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[3, 2])
+    for r in results:
+        scores = r["eval"].get("retrieval") or {}
+        # keys read "0.5W (128)" or "16W (4096) >T": the distance in windows comes first
+        distances = [float(key.split("W")[0]) for key in scores]
+        if distances:
+            retrieval.plot(distances, [s["retrieved"] for s in scores.values()], marker="o", label=label(r))
+    retrieval.axvline(1, color="grey", linestyle="--", linewidth=1)
+    retrieval.axhline(0, color="black", linewidth=0.5)
+    retrieval.set_xscale("log", base=2)
+    ticks = sorted({float(key.split("W")[0]) for r in results for key in r["eval"].get("retrieval") or {}})
+    retrieval.set_xticks(ticks, [f"{t:g}W" for t in ticks])
+    retrieval.set_xlabel("distance from the assignment to its use (windows W)")
+    retrieval.set_ylabel("log-prob gain of the value (nats)")
+    retrieval.set_title("graded retrieval")
+    retrieval.grid(alpha=0.3)
+    retrieval.legend(fontsize=8)
+
+    hybrids = [r for r in results if r["eval"].get("ssm_beyond_reset")]
+    gains = [r["eval"]["ssm_beyond_reset"].get("2W", {}).get("gain", float("nan")) for r in hybrids]
+    share.bar(range(len(hybrids)), gains, color="tab:blue")
+    share.set_xticks(range(len(hybrids)), [label(r) for r in hybrids], rotation=30, ha="right", fontsize=8)
+    full = next((r for r in results if r["model"] == "full" and "context_beyond_2W" in r["eval"]), None)
+    if full is not None:
+        full_gain = full["eval"]["context_beyond_2W"]["[4W,16W)"]["gain"]
+        share.axhline(full_gain, color="tab:red", linestyle="--", label=f"full attention: {full_gain:.4f}")
+        share.axhline(full_gain / 2, color="tab:red", linestyle=":", label="the goal: half of it")
+        share.legend(fontsize=8)
+    share.axhline(0, color="black", linewidth=0.5)
+    share.set_ylabel("loss saved beyond 2W (nats)")
+    share.set_title("SSM branch alone, restarted 2W back")
+    share.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)

@@ -3,6 +3,7 @@ the ground truth for its Triton kernels in the package beside it:
 
     causal_conv1d/      training conv (fwd/bwd), varlen prefill conv and decode update over a conv state cache
     selective_scan/     training scan (fwd/bwd), varlen prefill scan and decode state update over an ssm state cache
+    mamba_inner/        the branch between its projections (conv, x_proj, dt_proj, scan) as one training op
                         (packages laid out as fla's ops: reference.py, exported here; the kernels behind interface.py)
 
 The kernels that only vLLM's layouts need (the paged window attention, the fused decode of window attention and state
@@ -14,12 +15,14 @@ Triton.
 """
 
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from .mamba_inner import mamba_inner_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
 
 __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_update_ref",
     "causal_conv1d_varlen_ref",
+    "mamba_inner_ref",
     "selective_scan_ref",
     "selective_scan_varlen_ref",
     "selective_state_update_ref",

@@ -43,7 +43,7 @@ class ScanBlocks(NamedTuple):
     save_seg_states: bool
 
 
-def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
+def pick_scan_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size: int, **overrides) -> ScanBlocks:
     """Defaults from the shapes, any keyword given (not None) taking precedence.
 
     From the H200 sweeps (`bench_kernels.py --only scan_sweep`, BENCHMARKS.md): 32 channels per program and ONE warp,
@@ -75,7 +75,7 @@ def _pick_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_size:
     return blocks
 
 
-def _check_inputs(u, dt, A, B, C, D, z, dt_bias, rows: tuple[int, ...]):
+def check_scan_inputs(u, dt, A, B, C, D, z, dt_bias, rows: tuple[int, ...]):
     """The op's own tensors over token rows `rows` ([B, T] or [T]); returns (B, C) sharing their strides, as the
     kernels read them (the halves of x_proj's output already do; otherwise both are made contiguous)."""
     num_channels, state_size = u.shape[-1], A.shape[-1]
@@ -100,71 +100,104 @@ def _check_inputs(u, dt, A, B, C, D, z, dt_bias, rows: tuple[int, ...]):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+class ScanResiduals(NamedTuple):
+    """What the training forward leaves for the backward beside the op's inputs: the chunk start states (only when
+    the segment checkpoints were not saved: the backward recomputes them from these), the chunks' summed steps and
+    the segment checkpoints."""
+
+    chunk_h: torch.Tensor | None
+    chunk_dtsum: torch.Tensor | None
+    seg_states: torch.Tensor | None
+
+
+def selective_scan_fwd(
+    u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks
+) -> tuple[torch.Tensor, torch.Tensor, ScanResiduals]:
+    """The training forward on checked inputs (`selective_scan_fn` checks them): y [B, T, E] in u's dtype, the final
+    state [B, E, N] fp32 and what `selective_scan_bwd` needs. Autograd-free, for the autograd functions built on it."""
+    batch_size, seq_len, num_channels = u.shape
+    state_size = A.shape[-1]
+    y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
+    final_state = u.new_empty(batch_size, num_channels, state_size, dtype=torch.float32)
+    seg_states = None
+    if blocks.save_seg_states:
+        num_segs = triton.cdiv(seq_len, blocks.seg)
+        seg_states = u.new_empty(batch_size, num_segs, num_channels, state_size, dtype=torch.float32)
+    chunk_h, chunk_dtsum = launch_selective_scan_fwd(
+        u,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        y,
+        initial_state,
+        final_state,
+        blocks=blocks,
+        max_seq_len=seq_len,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        seg_states=seg_states,
+        seq_idx=seq_idx,
+    )
+    # The backward reads the chunk start states only to recompute checkpoints it is not given: with them saved,
+    # keeping chunk_h too would hold fp32 [B, num_chunks, E, N] for nothing.
+    chunk_h = chunk_h if seg_states is None else None
+    return y, final_state, ScanResiduals(chunk_h, chunk_dtsum, seg_states)
+
+
+def selective_scan_bwd(
+    u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks,
+    residuals: ScanResiduals, dy: torch.Tensor, d_final_state: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
+    """The training backward: (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the inputs' dtypes (None
+    for an absent initial state or dt_bias), from the forward's inputs and residuals and the outputs' gradients."""
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    if d_final_state is not None:
+        d_final_state = d_final_state.float().contiguous()
+    return launch_selective_scan_bwd(
+        u,
+        dt,
+        A,
+        B,
+        C,
+        D,
+        z,
+        dy,
+        initial_state,
+        d_final_state,
+        *residuals,
+        blocks=blocks,
+        dt_bias=dt_bias,
+        dt_softplus=dt_softplus,
+        seq_idx=seq_idx,
+    )
+
+
 class SelectiveScanFunction(torch.autograd.Function):
     """Training scan; the final state's gradient flows too (it seeds the adjoint at the right edge)."""
 
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks):
-        batch_size, seq_len, num_channels = u.shape
-        state_size = A.shape[-1]
-        y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
-        final_state = u.new_empty(batch_size, num_channels, state_size, dtype=torch.float32)
-        seg_states = None
-        if blocks.save_seg_states:
-            num_segs = triton.cdiv(seq_len, blocks.seg)
-            seg_states = u.new_empty(batch_size, num_segs, num_channels, state_size, dtype=torch.float32)
-        chunk_h, chunk_dtsum = launch_selective_scan_fwd(
-            u,
-            dt,
-            A,
-            B,
-            C,
-            D,
-            z,
-            y,
-            initial_state,
-            final_state,
-            blocks=blocks,
-            max_seq_len=seq_len,
-            dt_bias=dt_bias,
-            dt_softplus=dt_softplus,
-            seg_states=seg_states,
-            seq_idx=seq_idx,
+        y, final_state, residuals = selective_scan_fwd(
+            u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus, blocks
         )
-        # The backward reads the chunk start states only to recompute checkpoints it is not given: with them saved,
-        # keeping chunk_h too would hold fp32 [B, num_chunks, E, N] for nothing.
-        chunk_h = chunk_h if seg_states is None else None
-        ctx.save_for_backward(
-            u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx, dt_bias
-        )  # fmt: skip
+        ctx.save_for_backward(u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, *residuals)
         ctx.dt_softplus, ctx.blocks = dt_softplus, blocks
         return y, final_state
 
     @staticmethod
     def backward(ctx, dy, d_final_state):
-        u, dt, A, B, C, D, z, initial_state, chunk_h, chunk_dtsum, seg_states, seq_idx, dt_bias = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        if d_final_state is not None:
-            d_final_state = d_final_state.float().contiguous()
-        *grads, d_initial, d_dt_bias = launch_selective_scan_bwd(
-            u,
-            dt,
-            A,
-            B,
-            C,
-            D,
-            z,
+        *inputs, chunk_h, chunk_dtsum, seg_states = ctx.saved_tensors
+        *grads, d_initial, d_dt_bias = selective_scan_bwd(
+            *inputs,
+            ctx.dt_softplus,
+            ctx.blocks,
+            ScanResiduals(chunk_h, chunk_dtsum, seg_states),
             dy,
-            initial_state,
             d_final_state,
-            chunk_h,
-            chunk_dtsum,
-            seg_states,
-            blocks=ctx.blocks,
-            dt_bias=dt_bias,
-            dt_softplus=ctx.dt_softplus,
-            seq_idx=seq_idx,
         )
         # no gradient for seq_idx, the softplus flag and the launch shape
         return *grads, d_initial, None, d_dt_bias, None, None
@@ -217,7 +250,7 @@ def selective_scan_fn(
     """
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
-    B, C = _check_inputs(u, dt, A, B, C, D, z, dt_bias, (batch_size, seq_len))
+    B, C = check_scan_inputs(u, dt, A, B, C, D, z, dt_bias, (batch_size, seq_len))
     if initial_state is not None:
         if tuple(initial_state.shape) != (batch_size, num_channels, state_size):
             raise ValueError(
@@ -226,7 +259,7 @@ def selective_scan_fn(
         initial_state = initial_state.float().contiguous()
     if seq_idx is not None:
         check_index("seq_idx", seq_idx, (batch_size, seq_len), like=u)
-    blocks = _pick_blocks(
+    blocks = pick_scan_blocks(
         batch_size,
         seq_len,
         num_channels,
@@ -312,7 +345,7 @@ def selective_scan_varlen_fwd(
     num_seqs = state_indices.shape[0]
     if out is None:
         out = torch.empty(u.shape, dtype=u.dtype, device=u.device)
-    B, C = _check_inputs(u, dt, A, B, C, D, z, dt_bias, (total_tokens,))
+    B, C = check_scan_inputs(u, dt, A, B, C, D, z, dt_bias, (total_tokens,))
     check_tokens("out", out, (total_tokens, num_channels))
     if ssm_state.dim() != 3 or tuple(ssm_state.shape[1:]) != (num_channels, state_size):
         raise ValueError(f"ssm_state: expected [slots, {num_channels}, {state_size}], got {tuple(ssm_state.shape)}")
@@ -324,7 +357,7 @@ def selective_scan_varlen_fwd(
         return out
     if max_seq_len is None:
         max_seq_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    blocks = _pick_blocks(
+    blocks = pick_scan_blocks(
         num_seqs,
         max_seq_len,
         num_channels,

@@ -1,0 +1,143 @@
+"""Host-side work of one SSM branch's training step (forward + backward of `HybridSSM` alone), on the fused op
+(`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on x_proj, as an adapter
+would): aten ops dispatched, autograd nodes recorded, Triton launches, and the host time per step.
+
+On a GPU the time is the host's alone: the step is issued and timed without waiting for the GPU (each repeat
+synchronises once at its end, outside the timed loop's per-step cost, which is averaged over `--steps` steps).
+On a CPU machine the kernels run in Triton's interpreter; `--stub-kernels` replaces every launch by a no-op so that
+what is timed is the branch's own Python and aten work (the interpreter's is not a GPU launcher's cost).
+
+    python scripts/bench_host_work.py                      # GPU: the issue-36 probe's layer width (hidden 1024, E 2048)
+    TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200
+"""
+
+import argparse
+import collections
+import json
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def autograd_nodes(output: torch.Tensor) -> int:
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+def patch_triton_launches(launches: collections.Counter, stub: bool) -> None:
+    """Counts every Triton launch (outside the op counter: the interpreter's own tensor copies are not the branch's)
+    and, with `stub`, skips it."""
+    from triton.runtime import interpreter, jit
+
+    for cls, method in ((interpreter.GridExecutor, "__call__"), (jit.JITFunction, "run")):
+        original = getattr(cls, method)
+
+        def launch(self, *args, _original=original, **kwargs):
+            launches[getattr(self, "fn", self).__name__] += 1
+            if stub:
+                return None
+            with _disable_current_modes():
+                return _original(self, *args, **kwargs)
+
+        setattr(cls, method, launch)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512, help="short: the GPU must not be the bound")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--stub-kernels", action="store_true", help="skip every Triton launch (host work alone)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    from configuration import HybridConfig
+    from modeling import HybridForCausalLM, modeling_hybrid
+    from modeling.modeling_hybrid import HybridSSM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)  # the host work of one issuing thread, as on a GPU
+    launches = collections.Counter()
+    patch_triton_launches(launches, args.stub_kernels)
+    HybridSSM._ops_for = lambda self, hidden: modeling_hybrid.KERNEL_OPS  # the kernels on CPU too (interpreter)
+    heads = max(1, args.hidden // 64)
+    config = HybridConfig(
+        vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, sliding_window=64,
+    )  # fmt: skip
+    ssm = HybridForCausalLM(config).model.layers[0].self_attn.ssm.to(device, torch.bfloat16).train()
+    hidden = torch.randn(args.batch, args.seq_len, args.hidden, device=device, dtype=torch.bfloat16)
+    hidden.requires_grad_()
+    grad = torch.randn(args.batch, args.seq_len, ssm.out_proj.out_features, device=device, dtype=torch.bfloat16)
+
+    def step():
+        for param in ssm.parameters():
+            param.grad = None
+        hidden.grad = None
+        ssm(hidden).backward(grad)
+
+    results = {}
+    for path in ("fused", "modules"):
+        hook = ssm.x_proj.register_forward_hook(lambda *a: None) if path == "modules" else None
+        step()
+        for param in ssm.parameters():
+            param.grad = None
+        launches.clear()
+        counter = CountOps()
+        with counter:
+            out = ssm(hidden)
+            nodes = autograd_nodes(out)
+            out.backward(grad)
+        num_launches = sum(launches.values())
+        times = []
+        for _ in range(args.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step()
+            times.append((time.perf_counter() - start) / args.steps * 1e3)
+            if device == "cuda":
+                torch.cuda.synchronize()
+        results[path] = {
+            "aten_ops": sum(counter.ops.values()),
+            "autograd_nodes": nodes,
+            "triton_launches": num_launches,
+            "host_ms_median": round(statistics.median(times), 4),
+            "host_ms": [round(t, 4) for t in times],
+        }
+        if hook is not None:
+            hook.remove()
+        print(
+            f"{path:8s} aten ops {results[path]['aten_ops']:4d}  autograd nodes {nodes:3d}  "
+            f"Triton launches {results[path]['triton_launches']:2d}  host {results[path]['host_ms_median']:.3f} ms "
+            f"per step (median of {args.repeats} x {args.steps})"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "device": device, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The SSM branch's fused training op (`mamba_inner_fn`: one autograd node over the conv and scan kernels and the
+GEMMs between them) against its reference (`mamba_inner_ref`) in float64, in Triton's interpreter on CPU machines:
+the output and every gradient, with padding, packed rows, several scan chunks, autocast and frozen weights."""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from modeling.ops.mamba_inner import mamba_inner_ref
+
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2}
+PARAMS = ("conv_weight", "conv_bias", "x_proj_weight", "dt_proj_weight", "dt_proj_bias", "A_log", "D")
+
+
+@pytest.fixture(scope="module")
+def inner():
+    """The kernels' public functions, in Triton's interpreter on CPU machines (conftest sets TRITON_INTERPRET first)."""
+    return importlib.import_module("modeling.ops.mamba_inner.interface")
+
+
+def random_branch(batch, seq_len, channels, state, dt_rank, width=4, seed=0):
+    """Float64 inputs and weights at the scales of Mamba's init (random, nothing zero): steps of 1e-3..0.1 through
+    dt_proj's bias, A = -(1..N) perturbed."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
+
+    dt_init = torch.exp(torch.rand(channels, generator=g, dtype=torch.float64) * math.log(100.0)) * 1e-3
+    s4d_real = torch.log(torch.arange(1, state + 1, dtype=torch.float64)).expand(channels, -1)
+    return {
+        "xz": rand(batch, seq_len, 2 * channels),
+        "conv_weight": rand(channels, 1, width, scale=0.5),
+        "conv_bias": rand(channels, scale=0.1),
+        "x_proj_weight": rand(dt_rank + 2 * state, channels, scale=channels**-0.5),
+        "dt_proj_weight": rand(channels, dt_rank, scale=dt_rank**-0.5),
+        "dt_proj_bias": dt_init + torch.log(-torch.expm1(-dt_init)),  # softplus^-1
+        "A_log": s4d_real + rand(channels, state, scale=0.1),
+        "D": rand(channels),
+    }
+
+
+def assert_close_scaled(actual, expected, tol, name):
+    scale = expected.abs().max().clamp_min(1.0).item()
+    torch.testing.assert_close(
+        actual.double().cpu(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}"
+    )
+
+
+def to_device(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to(DEVICE) if t is not None else None
+
+
+def run_both(inner, tensors, dtype, padding_mask=None, seq_idx=None, frozen=()):
+    """The fused op in `dtype` and the reference in float64 on the same (rounded) values, each backpropagating the
+    same random output gradient; returns (fused leaves and y, reference leaves and y)."""
+    rounded = {k: v.to(dtype) for k, v in tensors.items()}
+    ref_leaves = {k: v.double().requires_grad_(k not in frozen) for k, v in rounded.items()}
+    y_ref = mamba_inner_ref(**ref_leaves, padding_mask=padding_mask, seq_idx=seq_idx)
+    dy = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (y_ref * dy).sum().backward()
+
+    leaves = {k: v.to(DEVICE).requires_grad_(k not in frozen) for k, v in rounded.items()}
+    y = inner.mamba_inner_fn(**leaves, padding_mask=to_device(padding_mask), seq_idx=to_device(seq_idx))
+    (y.float() * dy.float().to(DEVICE)).sum().backward()
+    return (leaves, y), (ref_leaves, y_ref)
+
+
+CASES = [  # batch, T, E, N, R, dtype, padding, packed rows; T 80 runs the scan in two chunks of 64
+    (2, 13, 16, 8, 4, torch.float32, False, False),
+    (2, 19, 24, 16, 3, torch.float32, True, False),
+    (2, 21, 16, 8, 4, torch.float32, False, True),
+    (1, 80, 8, 4, 2, torch.float32, True, True),
+    (2, 17, 16, 16, 4, torch.bfloat16, True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "batch,seq_len,channels,state,dt_rank,dtype,padded,packed",
+    CASES,
+    ids=[
+        f"B{c[0]}-T{c[1]}-E{c[2]}-N{c[3]}-R{c[4]}-{str(c[5])[6:]}{'-padded' if c[6] else ''}{'-packed' if c[7] else ''}"
+        for c in CASES
+    ],
+)
+def test_output_and_every_gradient_match_the_reference(
+    inner, batch, seq_len, channels, state, dt_rank, dtype, padded, packed
+):
+    tensors = random_branch(batch, seq_len, channels, state, dt_rank)
+    padding_mask = seq_idx = None
+    if padded:  # left padding of row 0, as generate() and padded training batches have it
+        padding_mask = torch.ones(batch, seq_len, dtype=torch.long)
+        padding_mask[0, : seq_len // 3] = 0
+    if packed:  # row 0 packs three sequences; the others one
+        seq_idx = torch.zeros(batch, seq_len, dtype=torch.int32)
+        seq_idx[0, 5:] = 1
+        seq_idx[0, seq_len - 4 :] = 2
+    (leaves, y), (ref_leaves, y_ref) = run_both(inner, tensors, dtype, padding_mask, seq_idx)
+
+    tol = TOL[dtype]
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert_close_scaled(y, y_ref.detach(), tol, "y")
+    for name, leaf in leaves.items():
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype and leaf.grad.shape == leaf.shape, name
+        assert_close_scaled(leaf.grad, ref_leaves[name].grad, tol, f"d{name}")
+    if padded:  # padding tokens neither feed the state nor get a gradient through xs
+        assert leaves["xz"].grad[0, : seq_len // 3, :channels].abs().max() == 0
+
+
+def test_frozen_weights_get_no_gradient_and_the_rest_are_unchanged(inner):
+    """With x_proj and dt_proj frozen (adapters elsewhere in the layer), their gradients are skipped, not computed:
+    the others equal the reference's."""
+    tensors = random_branch(2, 11, 16, 8, 4, seed=3)
+    frozen = ("x_proj_weight", "dt_proj_weight")
+    (leaves, _), (ref_leaves, _) = run_both(inner, tensors, torch.float32, frozen=frozen)
+    for name, leaf in leaves.items():
+        if name in frozen:
+            assert leaf.grad is None, name
+        else:
+            assert_close_scaled(leaf.grad, ref_leaves[name].grad, TOL[torch.float32], f"d{name}")
+
+
+def test_autocast_runs_the_projections_in_the_autocast_dtype(inner):
+    """fp32 weights under bf16 autocast (Trainer's bf16=True): x_proj and dt_proj run in bf16 as the modules would,
+    and the weights' gradients come back fp32, close to the float64 reference."""
+    tensors = random_branch(2, 12, 16, 8, 4, seed=5)
+    xz = tensors["xz"].to(torch.bfloat16).to(DEVICE).requires_grad_()  # in_proj's output under autocast
+    weights = {k: v.float().to(DEVICE).requires_grad_() for k, v in tensors.items() if k != "xz"}
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = inner.mamba_inner_fn(xz, **weights)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+
+    ref = {k: v.detach().double().requires_grad_() for k, v in {"xz": xz, **weights}.items()}
+    mamba_inner_ref(**ref).sum().backward()
+    assert_close_scaled(y.detach(), mamba_inner_ref(**ref).detach(), TOL[torch.bfloat16], "y")
+    for name, weight in weights.items():
+        assert weight.grad.dtype == torch.float32, name
+        assert_close_scaled(weight.grad, ref[name].grad, TOL[torch.bfloat16], f"d{name}")
+
+
+def test_no_grad_forward_saves_no_scan_checkpoints(inner, monkeypatch):
+    """Without a backward to come (evaluation), the scan writes no segment checkpoints."""
+    scan = importlib.import_module("modeling.ops.selective_scan.interface")
+    seen = []
+    original = scan.selective_scan_fwd
+    monkeypatch.setattr(inner, "selective_scan_fwd", lambda *a: seen.append(a[-1].save_seg_states) or original(*a))
+    tensors = {k: v.float().to(DEVICE).requires_grad_() for k, v in random_branch(1, 9, 8, 4, 2).items()}
+    with torch.no_grad():
+        inner.mamba_inner_fn(**tensors)
+    inner.mamba_inner_fn(**tensors)
+    assert seen == [False, True]
+
+
+def test_rejects_bad_shapes_by_name(inner):
+    tensors = {k: v.float() for k, v in random_branch(1, 5, 8, 4, 2).items()}
+    with pytest.raises(ValueError, match="xz must be"):
+        inner.mamba_inner_fn(**{**tensors, "xz": tensors["xz"][..., :-1]})
+    with pytest.raises(ValueError, match="x_proj_weight must be"):
+        inner.mamba_inner_fn(**{**tensors, "x_proj_weight": tensors["x_proj_weight"][:-1]})
+    with pytest.raises(ValueError, match="conv_weight must be"):
+        inner.mamba_inner_fn(**{**tensors, "conv_weight": tensors["conv_weight"][:, 0]})
+    with pytest.raises(ValueError, match="padding_mask must be"):
+        inner.mamba_inner_fn(**tensors, padding_mask=torch.ones(1, 4))
