@@ -57,6 +57,7 @@ from .ops import (
     causal_conv1d_ref,
     causal_conv1d_update_ref,
     mamba_inner_ref,
+    rms_normalize_heads,
     selective_scan_ref,
     selective_state_update_ref,
 )
@@ -319,6 +320,9 @@ class HybridAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
         self.ssm = HybridSSM(config, layer_idx) if config.use_ssm_branch else None
+        if config.ssm_branch_norm:  # one learnable scale per branch ([1], not 0-d: FSDP shards no scalars)
+            self.attn_branch_scale = nn.Parameter(torch.ones(1))
+            self.ssm_branch_scale = nn.Parameter(torch.ones(1))
 
     def forward(
         self,
@@ -361,9 +365,15 @@ class HybridAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*input_shape, -1)  # [B, T, H*D]
 
-        # 2. History branch on the same input, summed before the output projection.
+        # 2. History branch on the same input, summed before the output projection (each branch normalised per head
+        #    and scaled first with config.ssm_branch_norm).
         if self.ssm is not None:
-            attn_output = attn_output + self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
+            ssm_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
+            if self.config.ssm_branch_norm:
+                eps = self.config.rms_norm_eps
+                attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
+                ssm_output = self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
+            attn_output = attn_output + ssm_output
         return self.o_proj(attn_output), attn_weights
 
 
@@ -443,6 +453,9 @@ class HybridPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
+        if isinstance(module, HybridAttention) and module.config.ssm_branch_norm:
+            init.ones_(module.attn_branch_scale)
+            init.ones_(module.ssm_branch_scale)
         if isinstance(module, HybridSSM):
             # Mamba's S4D-real init: A = -(1..N) per channel; D = 1.
             A = torch.arange(1, module.state_size + 1, dtype=torch.float32, device=module.A_log.device)

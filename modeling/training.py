@@ -79,9 +79,12 @@ def is_ssm_parameter(name: str) -> bool:
     return ".self_attn.ssm." in name
 
 
-def is_ssm_dynamics_parameter(name: str) -> bool:
-    """Whether a parameter is the SSM branch's A_log or D (which train without weight decay)."""
-    return is_ssm_parameter(name) and name.rsplit(".", 1)[-1] in ("A_log", "D")
+def trains_without_weight_decay(name: str) -> bool:
+    """Whether a parameter trains without weight decay beside Trainer's own exclusions (biases, norm weights): the SSM
+    branch's A_log and D, as Mamba trains them, and the branch scales of `config.ssm_branch_norm`, which are scales
+    like a norm's weight."""
+    last = name.rsplit(".", 1)[-1]
+    return (is_ssm_parameter(name) and last in ("A_log", "D")) or last in ("attn_branch_scale", "ssm_branch_scale")
 
 
 def prepare_trainable(
@@ -172,11 +175,11 @@ def _kl_sum(student_rows: torch.Tensor, teacher_rows: torch.Tensor, temperature:
 
 class HybridTrainer(Trainer):
     """`Trainer` that applies no weight decay to the SSM branch's A_log and D, as Mamba trains them (decay would pull
-    every state's rate -exp(A_log) towards -1 and the skip D towards 0); biases and norms are spared as `Trainer`
-    spares them."""
+    every state's rate -exp(A_log) towards -1 and the skip D towards 0), nor to the branch scales of
+    `config.ssm_branch_norm`; biases and norms are spared as `Trainer` spares them."""
 
     def get_decay_parameter_names(self, model) -> list[str]:
-        return [name for name in super().get_decay_parameter_names(model) if not is_ssm_dynamics_parameter(name)]
+        return [name for name in super().get_decay_parameter_names(model) if not trains_without_weight_decay(name)]
 
 
 class DistillationTrainer(HybridTrainer):
@@ -437,7 +440,8 @@ def main(argv=None):
         model = HybridForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     elif args.config:
         config = HybridConfig.from_json_file(args.config)
-        config.use_ssm_branch = config.use_ssm_branch and not args.no_ssm
+        if args.no_ssm:  # the attention-only control: no branch, and nothing that normalises it
+            config.use_ssm_branch = config.ssm_branch_norm = False
         model = HybridForCausalLM(config)
     else:
         model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=not args.no_ssm))

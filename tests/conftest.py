@@ -69,7 +69,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if name.endswith("out_proj.weight"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith("_branch_scale"):
                 param.copy_(1 + 0.1 * torch.randn(param.shape, generator=generator))
     return model
 
@@ -93,9 +93,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int):
     return tokens, [lp[token].item() for lp, token in zip(logprobs, tokens)], gaps
 
 
-def converted_tiny_hybrid(root: Path, tokenizer, window: int) -> tuple[HybridForCausalLM, Path]:
-    """A tiny fp32 hybrid for vLLM (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs) with random
-    weights everywhere, saved with `tokenizer` to `root / "hf"` and converted to `root / "vllm"`."""
+def converted_tiny_hybrid(root: Path, tokenizer, window: int, **overrides) -> tuple[HybridForCausalLM, Path]:
+    """A tiny fp32 hybrid for vLLM (mixed layer types, GQA, head_dim 32 as vLLM's CPU attention needs; `overrides`:
+    more config fields) with random weights everywhere, saved with `tokenizer` to `root / "hf"` and converted to
+    `root / "vllm"`."""
     from vllm_integration.convert import convert_checkpoint
 
     torch.manual_seed(0)
@@ -106,6 +107,7 @@ def converted_tiny_hybrid(root: Path, tokenizer, window: int) -> tuple[HybridFor
         head_dim=32,
         sliding_window=window,
         max_position_embeddings=1024,
+        **overrides,
     )
     model = randomize_(HybridForCausalLM(config)).eval()
     model.save_pretrained(root / "hf")

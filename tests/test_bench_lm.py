@@ -403,6 +403,11 @@ def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     assert abs(counts["swa-matched"] - counts["hybrid"]) <= per_64_columns / 2
     hybrid = build_model("hybrid", SMOKE_SHAPE, tokenizer, "sdpa", 0, {"ssm_dt_min": 1e-4})
     assert hybrid.config.ssm_dt_min == 1e-4
+    # a lever of the branch reaches the hybrid and leaves the baselines, which have no branch, as they are
+    lever = {"ssm_branch_norm": True}
+    assert build_model("hybrid", SMOKE_SHAPE, tokenizer, "sdpa", 0, lever).config.ssm_branch_norm
+    for kind in ("swa", "swa-matched"):
+        assert not build_model(kind, SMOKE_SHAPE, tokenizer, "sdpa", 0, lever).config.ssm_branch_norm
 
 
 MATCHED = ("hybrid", "swa", "swa-matched")
@@ -468,10 +473,11 @@ def test_smoke_runs_a_lever_study(tmp_path, capsys):
     retrievals; `--tag` names the results."""
     torch.set_num_threads(1)
     argv = ["--smoke", "--steps", "4", "--output-dir", str(tmp_path), "--models", "hybrid", "--tag", "levers"]
-    argv += ["--set", "ssm_dt_min=0.0001", "--short-window", "4", "--retrieval-data-share", "1.0"]
+    argv += ["--set", "ssm_dt_min=0.0001", "--set", "ssm_branch_norm=true", "--short-window", "4"]
+    argv += ["--retrieval-data-share", "1.0"]
     assert cli.main(argv) == 0
     result = json.loads((tmp_path / "results-hybrid-levers.json").read_text())
-    assert result["config_overrides"] == {"ssm_dt_min": 0.0001} and result["tag"] == "levers"
+    assert result["config_overrides"] == {"ssm_dt_min": 0.0001, "ssm_branch_norm": True} and result["tag"] == "levers"
     assert result["short_window"] == {"window": 4, "probability": 0.5, "until": 0.85}
     assert result["retrieval_data_share"] == 1.0
     assert "| hybrid [levers] |" in capsys.readouterr().out

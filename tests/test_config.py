@@ -38,6 +38,7 @@ INVALID_FIELDS = [
     ("ssm_dt_init_floor", 0.0),
     ("ssm_conv_bias", "yes"),
     ("use_ssm_branch", 1),
+    ("ssm_branch_norm", "yes"),
     ("use_ssm_kernels", "auto"),
     ("tie_word_embeddings", None),
     ("qkv_bias", "true"),
@@ -173,3 +174,8 @@ def test_round_trip(tmp_path):
     loaded = HybridConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
     assert loaded.rope_parameters["rope_theta"] == 5000.0
+
+
+def test_branch_norm_needs_the_ssm_branch():
+    with pytest.raises(ValueError, match="ssm_branch_norm normalises the SSM branch, and use_ssm_branch is False"):
+        HybridConfig(use_ssm_branch=False, ssm_branch_norm=True)

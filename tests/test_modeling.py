@@ -9,7 +9,7 @@ from conftest import tiny_config
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from modeling import HybridCache, HybridForCausalLM, HybridModel, HybridStaticCache
-from modeling.ops import selective_scan_ref
+from modeling.ops import rms_normalize_heads, selective_scan_ref
 
 ATOL = 2e-5
 
@@ -418,7 +418,9 @@ def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, a
         wide_logits = model(ids, attention_mask=mask).logits
         model.set_attention_window(3)
         torch.testing.assert_close(
-            model(ids, attention_mask=mask).logits[real], narrow(ids, attention_mask=mask).logits[real], atol=ATOL,
+            model(ids, attention_mask=mask).logits[real],
+            narrow(ids, attention_mask=mask).logits[real],
+            atol=ATOL,
             rtol=1e-4,
         )
         assert (model(ids, attention_mask=mask).logits - wide_logits)[real].abs().max() > 1e-3  # the window mattered
@@ -443,3 +445,49 @@ def test_the_attention_window_is_checked(make_model):
     assert model.model.attention_window is None
     with pytest.raises(ValueError, match="no sliding-window layer"):
         make_model(layer_types=["full_attention"] * 3).set_attention_window(4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_normalize_heads_against_a_float64_loop(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4 * 8, generator=generator, dtype=torch.float64) * torch.tensor(
+        [0.1, 1.0, 30.0, 1e-3]
+    ).repeat_interleave(8)
+    expected = torch.empty_like(x)
+    for head in range(4):
+        part = x[..., head * 8 : (head + 1) * 8]
+        expected[..., head * 8 : (head + 1) * 8] = part / torch.sqrt(part.square().mean(-1, keepdim=True) + 1e-6)
+    normalized = rms_normalize_heads(x.to(dtype), 8, 1e-6)
+    assert normalized.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(normalized.double(), expected, atol=tol, rtol=tol)
+
+
+def test_branch_norm_makes_each_branch_scale_free_and_weighs_them(make_model):
+    """With ssm_branch_norm each branch is normalised per head before the sum: scaling the SSM's out_proj or the
+    attention's v_proj by a positive constant leaves the logits as they were (without it, it does not), and the
+    learnable scales weigh the two branches. (A tiny epsilon: the norm's own, 1e-6, is not negligible against the
+    small activations of this tiny model.)"""
+    input_ids = torch.randint(3, 97, (2, 15), generator=torch.Generator().manual_seed(1))
+    for branch_norm in (True, False):
+        model = make_model(ssm_branch_norm=branch_norm, rms_norm_eps=1e-12)
+        with torch.no_grad():
+            reference = model(input_ids).logits
+            for layer in model.model.layers:
+                layer.self_attn.ssm.out_proj.weight.mul_(3.0)
+                layer.self_attn.v_proj.weight.mul_(0.25)
+            scaled = model(input_ids).logits
+        if branch_norm:
+            torch.testing.assert_close(scaled, reference, atol=1e-5, rtol=1e-5)
+        else:
+            assert (scaled - reference).abs().max() > 1e-2
+    model = make_model(ssm_branch_norm=True)
+    with torch.no_grad():
+        reference = model(input_ids).logits
+        model.model.layers[0].self_attn.ssm_branch_scale.mul_(2.0)
+        assert (model(input_ids).logits - reference).abs().max() > 1e-2
+    fresh = HybridForCausalLM(tiny_config(ssm_branch_norm=True))
+    assert all(
+        layer.self_attn.attn_branch_scale.item() == layer.self_attn.ssm_branch_scale.item() == 1.0
+        for layer in fresh.model.layers
+    ), "the branch scales start at 1"

@@ -211,17 +211,19 @@ def test_stochastic_window_is_checked_before_training(make_model, tmp_path):
 
 
 def test_weight_decay_spares_the_ssm_dynamics_as_mamba_does(make_model, tmp_path):
-    """A_log and D (and the biases and norms, as Trainer spares them) train without weight decay; the projections
-    decay. Also through PEFT's wrapper, whose names carry a prefix."""
+    """A_log, D and the branch scales of ssm_branch_norm (and the biases and norms, as Trainer spares them) train
+    without weight decay; the projections decay. Also through PEFT's wrapper, whose names carry a prefix."""
     from modeling.training import HybridTrainer, prepare_trainable
 
     args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, use_cpu=True, report_to=[])
-    for model in (make_model(), prepare_trainable(make_model(), "ssm+lora", lora_rank=2)):
+    models = (make_model(ssm_branch_norm=True), prepare_trainable(make_model(), "ssm+lora", lora_rank=2))
+    for model in models:
         trainer = HybridTrainer(model=model, args=args)
         decayed = set(trainer.get_decay_parameter_names(model))
         names = {name for name, _ in model.named_parameters()}
         ssm = {name for name in names if ".self_attn.ssm." in name}
         dynamics = {n for n in ssm if n.endswith((".A_log", ".D"))}
+        dynamics |= {n for n in names if n.endswith("_branch_scale")}
         assert dynamics and not dynamics & decayed
         assert {n for n in ssm if n.endswith(("in_proj.weight", "x_proj.weight", "out_proj.weight"))} <= decayed
         assert not {n for n in decayed if n.endswith("bias") or "norm" in n}

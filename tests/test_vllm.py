@@ -226,6 +226,18 @@ def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
     assert_follows_hf(model, prompts, result["alone_outputs"])
 
 
+def test_branch_norm_follows_transformers(tmp_path_factory):
+    """`ssm_branch_norm`: vLLM normalises each branch per head and scales it (random scales here) as Transformers
+    does, prefill and decode."""
+    model, vllm_dir = converted_tiny_hybrid(
+        tmp_path_factory.mktemp("branch_norm"), RecallTask().build_tokenizer(), WINDOW, ssm_branch_norm=True
+    )
+    scales = [layer.self_attn.ssm_branch_scale.item() for layer in model.model.layers]
+    assert all(abs(scale - 1) > 1e-3 for scale in scales), scales
+    prompts = random_prompts([3, 40, 10 * WINDOW, 1], model.config.vocab_size, seed=11)
+    assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
+
+
 def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
     """`mamba_ssm_cache_dtype="bfloat16"` on the fp32 model: vLLM allocates the SSM state slots in bf16 (the conv
     state stays in the model's dtype) and every step reads and rounds them; tokens and logprobs still follow

@@ -38,6 +38,7 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 from configuration import HybridConfig
+from modeling.ops import rms_normalize_heads
 
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
 from .layout import SSM_RENAMES, STACKED_PROJECTIONS
@@ -108,6 +109,11 @@ class HybridAttention(nn.Module):
             rope_parameters=config.rope_parameters,
             is_neox_style=True,
         )
+        # config.ssm_branch_norm: each branch normalised per head (this rank's heads) and scaled before the sum.
+        self.branch_norm_eps = config.rms_norm_eps if config.ssm_branch_norm else None
+        if config.ssm_branch_norm:
+            self.attn_branch_scale = nn.Parameter(torch.ones(1))
+            self.ssm_branch_scale = nn.Parameter(torch.ones(1))
         self.attn = HybridAttentionLayer(
             self.num_heads,
             self.head_dim,
@@ -128,6 +134,10 @@ class HybridAttention(nn.Module):
         ssm_output = self.out_proj(ssm_output)[0]  # [T, H*D] partial sums over this rank's channels
         if self.tp_size > 1:
             ssm_output = tensor_model_parallel_reduce_scatter(ssm_output, dim=-1)  # [T, H*D/tp]: this rank's heads
+        if self.branch_norm_eps is not None:
+            eps = self.branch_norm_eps
+            attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
+            ssm_output = self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
         return self.o_proj(attn_output + ssm_output)[0]
 
 

@@ -60,7 +60,7 @@ SMOKE_SHAPE = Shape(
 def parameter_matched_intermediate_size(hybrid: HybridConfig) -> int:
     """The MLP width at which the model without the SSM branch has the hybrid's parameters: the branch's parameters
     spread over the MLPs' three matrices, to a multiple of 64 (counted on the meta device)."""
-    without_branch = HybridConfig(**{**hybrid.to_dict(), "use_ssm_branch": False})
+    without_branch = HybridConfig(**{**hybrid.to_dict(), "use_ssm_branch": False, "ssm_branch_norm": False})
     with torch.device("meta"):
         extra = HybridForCausalLM(hybrid).num_parameters() - HybridForCausalLM(without_branch).num_parameters()
     per_column = 3 * hybrid.hidden_size * hybrid.num_hidden_layers  # gate, up and down: one column of each per layer
@@ -96,6 +96,8 @@ def build_model(
         common.update(sliding_window=shape.window, **(overrides or {}))
         if kind == "swa-matched":
             common["intermediate_size"] = parameter_matched_intermediate_size(HybridConfig(**common))
+        if kind != "hybrid":
+            common["ssm_branch_norm"] = False  # a lever of the SSM branch, which the baselines do not have
         model = HybridForCausalLM(HybridConfig(**common, use_ssm_branch=kind == "hybrid"))
     model.set_attn_implementation(attn_implementation)
     return model.cuda() if torch.cuda.is_available() else model

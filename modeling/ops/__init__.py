@@ -4,6 +4,7 @@ the ground truth for its Triton kernels in the package beside it:
     causal_conv1d/      training conv (fwd/bwd), varlen prefill conv and decode update over a conv state cache
     selective_scan/     training scan (fwd/bwd), varlen prefill scan and decode state update over an ssm state cache
     mamba_inner/        the branch between its projections (conv, x_proj, dt_proj, scan) as one training op
+    branch_norm.py      the per-head normalisation of both branches before their sum (`ssm_branch_norm`)
                         (packages laid out as fla's ops: reference.py, exported here; the kernels behind interface.py)
 
 The kernels that only vLLM's layouts need (the paged window attention, the fused decode of window attention and state
@@ -14,6 +15,7 @@ The kernel modules import Triton; import them where the kernels are used (CUDA, 
 Triton.
 """
 
+from .branch_norm import rms_normalize_heads
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from .mamba_inner import mamba_inner_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
@@ -23,6 +25,7 @@ __all__ = [
     "causal_conv1d_update_ref",
     "causal_conv1d_varlen_ref",
     "mamba_inner_ref",
+    "rms_normalize_heads",
     "selective_scan_ref",
     "selective_scan_varlen_ref",
     "selective_state_update_ref",
