@@ -1,7 +1,7 @@
 # Copyright 2026 The hybrid-swa-ssm authors.
 """Configuration of the hybrid model: sliding-window attention with a Mamba-1 selective-SSM history branch.
 
-`../DESIGN.md` (shared with the kernels and the vLLM model) fixes the math these fields parameterise.
+`docs/DESIGN.md` (shared with the kernels and the vLLM model) fixes the math these fields parameterise.
 """
 
 import math

@@ -1,5 +1,5 @@
 """PyTorch hybrid model: every decoder layer runs sliding-window (or full) attention in parallel with a Mamba-1
-selective-SSM "history branch" that carries what has left the window. DESIGN.md fixes the math and the names.
+selective-SSM "history branch" that carries what has left the window. docs/DESIGN.md fixes the math and the names.
 
 Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, `PreTrainedModel`, model, LM head.
 """

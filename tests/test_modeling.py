@@ -15,8 +15,8 @@ ATOL = 2e-5
 
 
 def naive_ssm_branch(ssm, h: torch.Tensor) -> torch.Tensor:
-    """DESIGN.md's SSM branch for one unpadded sequence h [T, hidden], one time step and one channel group at a time,
-    in float64."""
+    """docs/DESIGN.md's SSM branch for one unpadded sequence h [T, hidden], one time step and one channel group at a
+    time, in float64."""
     h = h.double()
     E, N, K, R = ssm.intermediate_size, ssm.state_size, ssm.conv_kernel_size, ssm.dt_rank
     W_in = ssm.in_proj.weight.double()

@@ -212,7 +212,7 @@ class HybridAttentionLayer(Attention):
             prefix=prefix,
             attn_backend=backend,
         )
-        self.window = sliding_window  # DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
+        self.window = sliding_window  # docs/DESIGN.md's W: query t sees keys t-W < s <= t; None for full attention
         if current_platform.is_cuda():
             # The fused decode's split-K arrival counters, which every launch leaves zeroed: kept here so that no
             # decode step zeroes a fresh buffer (a memset per layer, captured into every decode graph). One per

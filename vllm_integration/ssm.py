@@ -178,7 +178,7 @@ def triton_kernels() -> SSMKernels:
 
 @dataclass(frozen=True)
 class HybridSSMSpec:
-    """The SSM branch's sizes, from the model config (DESIGN.md's E, N, K, dt rank)."""
+    """The SSM branch's sizes, from the model config (docs/DESIGN.md's E, N, K, dt rank)."""
 
     intermediate_size: int
     state_size: int

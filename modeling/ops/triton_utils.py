@@ -23,8 +23,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def window_or_unbounded(window: int | None) -> int:
-    """The kernels' window argument: DESIGN.md's W (query t sees keys t-W < s <= t), or `NO_WINDOW` for None (and for
-    a W beyond it, which no context reaches: the argument stays int32). Raises ValueError for W < 1."""
+    """The kernels' window argument: docs/DESIGN.md's W (query t sees keys t-W < s <= t), or `NO_WINDOW` for None (and
+    for a W beyond it, which no context reaches: the argument stays int32). Raises ValueError for W < 1."""
     if window is None:
         return NO_WINDOW
     if window < 1:

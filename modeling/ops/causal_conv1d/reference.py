@@ -8,7 +8,7 @@ Glossary of dimension letters (one meaning per letter across modeling/ops):
     R  decode requests (one token each)
     slots  rows of the serving conv-state cache, one per running request
 
-The op (DESIGN.md, "SSM history branch"), per channel e and token t of a sequence:
+The op (docs/DESIGN.md, "SSM history branch"), per channel e and token t of a sequence:
     y_t = act(bias + sum_{k<K} weight[e, k] * x_{t-K+1+k})        act = silu or identity
 where x_{t'} for t' < 0 is taken from the history (the previous K-1 inputs; zeros at the start of a sequence).
 The weight is stored [E, K] (vLLM's layout; the Transformers `nn.Conv1d` weight is [E, 1, K]: callers squeeze it).

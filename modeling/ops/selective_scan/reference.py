@@ -8,7 +8,7 @@ Glossary of dimension letters (one meaning per letter across modeling/ops):
     S  sequences of a packed batch, delimited by `cu_seqlens` [S+1] (sequence s owns tokens cu[s]..cu[s+1]-1)
     slots  rows of the serving ssm-state cache, one per running request
 
-The recurrence (DESIGN.md, "SSM history branch"), per channel e and time t, in fp32:
+The recurrence (docs/DESIGN.md, "SSM history branch"), per channel e and time t, in fp32:
     state_t = exp(dt_t * A) * state_{t-1} + (dt_t * u_t) * B_t
     y_t     = (state_t @ C_t + D * u_t) * silu(z_t)
 The step dt_t comes from the `dt` argument as in mamba_ssm (delta_bias, delta_softplus):

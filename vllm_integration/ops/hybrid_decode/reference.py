@@ -5,7 +5,7 @@ tests/vllm_ops/test_hybrid_decode.py.
 
 Glossary of dimension letters (as in ../paged_attention/reference.py):
     B    decoding requests in the batch (one new token each). `B`, `C` and `D` the tensors are the SSM's projections
-         and skip connection, as in DESIGN.md.
+         and skip connection, as in docs/DESIGN.md.
     H    query heads          KVH  key/value heads (H % KVH == 0)      G  H / KVH query heads per kv head
     D    head dim             W    sliding window                     P  tokens per KV cache block (page size)
     NB   physical KV blocks   MB   logical blocks per request (block table width)
@@ -18,7 +18,7 @@ Two jobs per decoding request i, both reading one cache and writing one output:
                  when the window is None), looked up through the block table: key s of request i lives at
                  key_cache[block_table[i, s // P], s % P]. A request with seq_lens[i] == 0 (CUDA-graph padding) gets
                  zeros.
-    SSM update   (`selective_state_update_ref`) one step of DESIGN.md's recurrence from the request's state slot,
+    SSM update   (`selective_state_update_ref`) one step of docs/DESIGN.md's recurrence from the request's state slot,
                  in fp32, written back in place:
                  dt = softplus(dt_raw + dt_bias); state = exp(dt * A) * state + dt * u * B; y = state @ C + D * u;
                  out = y * silu(z). A slot index of -1 (padding) leaves every slot alone and writes zeros. A row

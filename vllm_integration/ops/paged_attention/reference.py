@@ -8,7 +8,7 @@ Glossary of dimension letters (shared by every op of vllm_integration/ops):
     NB physical blocks of the cache     P  tokens per block (vLLM's block_size, the page size)
     MB logical blocks per sequence in the block table (its width)
 
-Semantics (DESIGN.md, "Attention"): the query at absolute position t attends to keys s with t - W < s <= t on a
+Semantics (docs/DESIGN.md, "Attention"): the query at absolute position t attends to keys s with t - W < s <= t on a
 sliding layer (`window=W`), 0 <= s <= t on a full-attention layer (`window=None`); softmax in fp32. Sequence i owns
 query rows query_start_loc[i]:query_start_loc[i+1] of `query` and has seq_lens[i] tokens in the cache, its new
 tokens included, so its q_len_i queries sit at positions seq_lens[i] - q_len_i .. seq_lens[i] - 1. This covers
