@@ -6,6 +6,7 @@
 
 import math
 
+from transformers import LlamaConfig, MistralConfig
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
@@ -322,6 +323,41 @@ class HybridConfig(PreTrainedConfig):
                 "HybridConfig.rope_parameters['original_max_position_embeddings'] must be a positive integer, "
                 f"got {original!r}"
             )
+
+    def attention_only_config(self, full_attention: bool = False) -> PreTrainedConfig:
+        """Transformers' own attention model of this config's shapes, without the SSM branch: the anchor or control
+        a hybrid is compared with. `MistralConfig` (every layer sliding with this window; no `layer_types`, which
+        Mistral's forward does not need) or, with `full_attention`, `LlamaConfig`. Biases on q/k/v alone (Qwen2's
+        convention) have no Llama or Mistral twin, nor `attention_bias` a Mistral one: refused."""
+        if self.qkv_bias and not self.attention_bias:
+            raise ValueError("HybridConfig.attention_only_config: q/k/v biases without an o bias have no Llama twin")
+        if self.attention_bias and not full_attention:
+            raise ValueError("HybridConfig.attention_only_config: Mistral has no attention biases")
+        fields = {
+            name: getattr(self, name)
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "hidden_act",
+                "max_position_embeddings",
+                "initializer_range",
+                "rms_norm_eps",
+                "tie_word_embeddings",
+                "attention_dropout",
+                "pad_token_id",
+                "bos_token_id",
+                "eos_token_id",
+            )
+        }
+        fields["rope_parameters"] = dict(self.rope_parameters)
+        if full_attention:
+            return LlamaConfig(**fields, attention_bias=self.attention_bias)
+        return MistralConfig(**fields, sliding_window=self.sliding_window)
 
 
 def _is_int(value) -> bool:

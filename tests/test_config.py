@@ -179,3 +179,20 @@ def test_round_trip(tmp_path):
 def test_branch_norm_needs_the_ssm_branch():
     with pytest.raises(ValueError, match="ssm_branch_norm normalises the SSM branch, and use_ssm_branch is False"):
         HybridConfig(use_ssm_branch=False, ssm_branch_norm=True)
+
+
+def test_attention_only_config_is_the_transformers_twin_of_the_shapes():
+    config = tiny_config(rms_norm_eps=1e-5, tie_word_embeddings=True)
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings")  # fmt: skip
+    mistral, llama = config.attention_only_config(), config.attention_only_config(full_attention=True)
+    assert (mistral.model_type, llama.model_type) == ("mistral", "llama")
+    for twin in (mistral, llama):
+        assert {name: getattr(twin, name) for name in shared} == {name: getattr(config, name) for name in shared}
+        assert twin.rope_parameters["rope_theta"] == config.rope_parameters["rope_theta"]
+    assert mistral.sliding_window == config.sliding_window
+    with pytest.raises(ValueError, match="no Llama twin"):
+        tiny_config(qkv_bias=True).attention_only_config(full_attention=True)
+    with pytest.raises(ValueError, match="Mistral has no attention biases"):
+        tiny_config(attention_bias=True).attention_only_config()
+    assert tiny_config(attention_bias=True).attention_only_config(full_attention=True).attention_bias

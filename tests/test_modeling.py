@@ -99,19 +99,8 @@ def test_chunked_prefill_equals_one_pass(make_model, splits):
 def test_attention_path_matches_mistral_when_ssm_is_off(make_model):
     model = make_model(use_ssm_branch=False, layer_types=["sliding_attention"] * 3)
     config = model.config
-    mistral_config = MistralConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        sliding_window=config.sliding_window,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=dict(config.rope_parameters),
-        max_position_embeddings=config.max_position_embeddings,
-    )
+    mistral_config = config.attention_only_config()
+    assert isinstance(mistral_config, MistralConfig) and mistral_config.sliding_window == config.sliding_window
     mistral = MistralForCausalLM(mistral_config).eval()
     missing, unexpected = mistral.load_state_dict(model.state_dict(), strict=True)
     assert not missing and not unexpected

@@ -5,6 +5,8 @@ Values change in one place only, the receiving parameter's weight loader (ssm.py
 conv weight `[E, 1, K]` viewed as `[E, K]`. A converted checkpoint keeps the Transformers names and values of the SSM
 tensors; it differs from a Transformers one by its fused projections and its dtype."""
 
+import math
+
 import torch
 
 # Transformers projection -> (fused vLLM projection, shard id of vLLM's fused-layer loader), in concatenation order.
@@ -29,5 +31,12 @@ SSM_RENAMES = {
 
 
 def a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
-    """The state decay rates A = -exp(A_log), in fp32: what the kernels read."""
-    return -torch.exp(a_log.float())
+    """The state decay rates A = -exp(A_log), in fp32: what the kernels read. Raises ValueError where it overflows
+    float32 (A_log above ~88.7), which no kernel could use."""
+    a = -torch.exp(a_log.float())
+    if not torch.isfinite(a).all():
+        limit = math.log(torch.finfo(torch.float32).max)
+        raise ValueError(
+            f"A = -exp(A_log) overflows float32 (values above {limit:.1f}; the largest is {a_log.max().item():.4g})"
+        )
+    return a

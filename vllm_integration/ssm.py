@@ -46,13 +46,6 @@ from modeling.ops import (
 from .layout import a_from_a_log
 
 
-def finite_a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
-    a = a_from_a_log(a_log)
-    if not torch.isfinite(a).all():
-        raise ValueError(f"A = -exp(A_log) overflows float32: A_log holds values up to {a_log.max().item():.4g}")
-    return a
-
-
 def hybrid_state_dtypes(model_dtype, mamba_cache_dtype: str, mamba_ssm_cache_dtype: str) -> tuple[torch.dtype, ...]:
     """(conv state dtype, ssm state dtype). Unlike vLLM's Mamba default, the ssm state stays fp32 unless
     `mamba_ssm_cache_dtype` asks otherwise: the Transformers model keeps it in fp32 too."""
@@ -239,7 +232,7 @@ class HybridSSMAdapter(MambaBase, nn.Module):
         # Loaded from the checkpoint's A_log, kept in fp32 like D.
         self.A = nn.Parameter(torch.empty(self.local_size, state_size, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.local_size, dtype=torch.float32))
-        set_weight_attrs(self.A, {"weight_loader": composed_weight_loader(channel_sharded, finite_a_from_a_log)})
+        set_weight_attrs(self.A, {"weight_loader": composed_weight_loader(channel_sharded, a_from_a_log)})
         set_weight_attrs(self.D, {"weight_loader": channel_sharded})
 
         vllm_config = get_current_vllm_config()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from configuration import HybridConfig
 
@@ -91,7 +91,8 @@ def build_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     if kind == "full":
-        model = LlamaForCausalLM(LlamaConfig(**common))
+        hybrid = HybridConfig(**common, sliding_window=shape.window)
+        model = LlamaForCausalLM(hybrid.attention_only_config(full_attention=True))
     else:
         common.update(sliding_window=shape.window, **(overrides or {}))
         if kind == "swa-matched":

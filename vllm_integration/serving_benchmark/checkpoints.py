@@ -32,33 +32,15 @@ def baseline_config(name: str, hybrid):
     """The hybrid's shapes without the SSM branch: full attention (Llama), or every layer sliding (Mistral-style;
     vLLM's Llama/Mistral code reads the window per layer from `layer_types`), with the hybrid's MLP or one widened to
     the hybrid's parameter count (`swa-matched`)."""
-    from transformers import LlamaConfig, MistralConfig
-
-    common = {
-        key: getattr(hybrid, key)
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "rms_norm_eps",
-            "rope_parameters",
-            "tie_word_embeddings",
-        )
-    }
     if name == "llama":
-        return LlamaConfig(**common)
+        return hybrid.attention_only_config(full_attention=True)
+    config = hybrid.attention_only_config()
     if name == "swa-matched":
         from modeling.lm_benchmark.models import parameter_matched_intermediate_size
 
-        common["intermediate_size"] = parameter_matched_intermediate_size(hybrid)
-    return MistralConfig(
-        **common, sliding_window=hybrid.sliding_window, layer_types=["sliding_attention"] * hybrid.num_hidden_layers
-    )
+        config.intermediate_size = parameter_matched_intermediate_size(hybrid)
+    config.layer_types = ["sliding_attention"] * hybrid.num_hidden_layers
+    return config
 
 
 def write_checkpoint(name: str, root: Path, shape: dict, max_len: int) -> Path:
