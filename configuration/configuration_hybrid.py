@@ -12,6 +12,25 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention")
+# Fields that mean the same in HybridConfig and in Transformers' Llama, Mistral and Qwen2 configs (upcycling reads
+# them from a source, `attention_only_config` writes them into a twin).
+ATTENTION_MODEL_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "attention_dropout",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+)
 # "default" is computed by the rotary embedding itself; the others by Transformers' `ROPE_INIT_FUNCTIONS`.
 HYBRID_ROPE_TYPES = ("default", *ROPE_INIT_FUNCTIONS)
 
@@ -333,27 +352,7 @@ class HybridConfig(PreTrainedConfig):
             raise ValueError("HybridConfig.attention_only_config: q/k/v biases without an o bias have no Llama twin")
         if self.attention_bias and not full_attention:
             raise ValueError("HybridConfig.attention_only_config: Mistral has no attention biases")
-        fields = {
-            name: getattr(self, name)
-            for name in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "head_dim",
-                "hidden_act",
-                "max_position_embeddings",
-                "initializer_range",
-                "rms_norm_eps",
-                "tie_word_embeddings",
-                "attention_dropout",
-                "pad_token_id",
-                "bos_token_id",
-                "eos_token_id",
-            )
-        }
+        fields = {name: getattr(self, name) for name in (*ATTENTION_MODEL_FIELDS, "head_dim")}
         fields["rope_parameters"] = dict(self.rope_parameters)
         if full_attention:
             return LlamaConfig(**fields, attention_bias=self.attention_bias)

@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from configuration import HybridConfig
+from configuration.configuration_hybrid import ATTENTION_MODEL_FIELDS
 
 from .checkpoint_io import (
     DTYPES,
@@ -53,24 +54,6 @@ SOURCES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
 }
-# Fields that mean the same in the source's config and in HybridConfig.
-CARRIED_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "hidden_act",
-    "max_position_embeddings",
-    "initializer_range",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "attention_dropout",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-)
 
 
 def load_source_config(source_dir: Path) -> PreTrainedConfig:
@@ -112,7 +95,7 @@ def hybrid_config_for(
             raise CheckpointError(f"--full-attention-layers: {index} is not a layer index in [0, {num_layers})")
     if len(set(full_attention_layers)) != len(full_attention_layers):
         raise CheckpointError(f"--full-attention-layers names a layer twice: {full_attention_layers}")
-    fields = {name: getattr(source, name) for name in CARRIED_FIELDS}
+    fields = {name: getattr(source, name) for name in ATTENTION_MODEL_FIELDS}
     if fields["pad_token_id"] is not None and not 0 <= fields["pad_token_id"] < source.vocab_size:
         fields["pad_token_id"] = None  # e.g. Llama 2's -1, "no padding token": the hybrid's config says so with None
     fields["head_dim"] = getattr(source, "head_dim", None) or source.hidden_size // source.num_attention_heads
