@@ -10,7 +10,7 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
 Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
 cache: `generate()` does so on CUDA with CUDA graphs) of the whole `generate()` and of the prefill alone
 (`max_new_tokens=1`); new tok/s = batch x new tokens / whole time, and the decode step = (whole - prefill) / (new - 1).
-The `serving` shape (default) is the serving benchmark's ~1B model (vllm_integration/serving_benchmark); `small` is
+The `serving` shape (default) is the serving benchmark's ~1B model (tools/serving_benchmark); `small` is
 the ~400M model of the training step (hidden 1024, 24 layers, 16/4 heads x 64, W 1024), whose shorter steps show what
 the hybrid's decode step costs beyond Mistral's in launches and host work. Results: BENCHMARKS.md.
 """
@@ -27,9 +27,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from modeling import HybridForCausalLM  # noqa: E402
-from modeling.provenance import head_commit  # noqa: E402
-from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config  # noqa: E402
-from vllm_integration.serving_benchmark.driver import FULL, SMOKE  # noqa: E402
+from tools.provenance import head_commit  # noqa: E402
+from tools.serving_benchmark.checkpoints import baseline_config, hybrid_config  # noqa: E402
+from tools.serving_benchmark.driver import FULL, SMOKE  # noqa: E402
 
 SHAPES = {
     "serving": FULL,

@@ -1,5 +1,5 @@
 """Language modelling on real text, beyond the window: the hybrid against sliding-window and full attention; see
-modeling/lm_benchmark/ (or `--help`).
+tools/lm_benchmark/ (or `--help`).
 
     python scripts/bench_lm.py --models hybrid --train-seconds 330      # steps picked from a time budget
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from modeling.lm_benchmark.cli import main  # noqa: E402
+from tools.lm_benchmark.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,5 @@
 """Serving throughput of the hybrid against the attention-only models a user would serve instead, with vLLM; see
-vllm_integration/serving_benchmark/ (or `--help`).
+tools/serving_benchmark/ (or `--help`).
 
     python scripts/bench_serving.py --json $OUT/serving.json                      # every model, every length
     python scripts/bench_serving.py --report a.json b.json --plot serving.png     # table (and plot) of saved runs
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vllm_integration.serving_benchmark.cli import main  # noqa: E402
+from tools.serving_benchmark.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

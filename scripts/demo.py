@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from modeling.recall_task import QUERY, RecallTask, small_recall_config  # noqa: E402
 from modeling.training import train_hybrid_and_control  # noqa: E402
 from vllm_integration.convert import convert_checkpoint  # noqa: E402
-from vllm_integration.server import post_json, running_server  # noqa: E402
+from tools.vllm_server import post_json, running_server  # noqa: E402
 
 
 def serve_and_ask(task, tokenizer, vllm_dir: Path, log_path: Path, seed: int, num_samples: int = 200):

@@ -1,4 +1,4 @@
-"""The LM benchmark (modeling/lm_benchmark/, CLI scripts/bench_lm.py): the corpus, the evaluation functions against
+"""The LM benchmark (tools/lm_benchmark/, CLI scripts/bench_lm.py): the corpus, the evaluation functions against
 naive references, the pipeline (--smoke)."""
 
 import json
@@ -15,9 +15,9 @@ from transformers import PreTrainedTokenizerFast
 
 from configuration import HybridConfig
 from modeling import HybridForCausalLM
-from modeling.lm_benchmark import cli
-from modeling.lm_benchmark.corpus import collect_corpus, python_source_roots
-from modeling.lm_benchmark.evaluation import (
+from tools.lm_benchmark import cli
+from tools.lm_benchmark.corpus import collect_corpus, python_source_roots
+from tools.lm_benchmark.evaluation import (
     PASSKEY_ALPHABET,
     RETRIEVAL_FORMATS,
     context_gain,
@@ -34,10 +34,10 @@ from modeling.lm_benchmark.evaluation import (
     retrieval_score,
     token_losses,
 )
-from modeling.lm_benchmark.models import SMOKE_SHAPE, Shape, build_model
-from modeling.lm_benchmark.retrieval_data import TRAINING_FORMATS, WithSyntheticRetrievals
-from modeling.lm_benchmark.tokens import PackedSequences
-from modeling.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
+from tools.lm_benchmark.models import SMOKE_SHAPE, Shape, build_model
+from tools.lm_benchmark.retrieval_data import TRAINING_FORMATS, WithSyntheticRetrievals
+from tools.lm_benchmark.tokens import PackedSequences
+from tools.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
 
 
 def tiny_model(use_ssm_branch: bool, num_hidden_layers: int = 1, window: int = 8) -> HybridForCausalLM:

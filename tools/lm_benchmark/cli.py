@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import head_commit
-from ..training import TRAINING_MODES, add_stochastic_window_arguments
+from modeling.training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
 from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, model_to_train, teacher_dir

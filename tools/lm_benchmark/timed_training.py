@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, default_data_collator
 
-from ..modeling_hybrid import HybridForCausalLM
-from ..training import stochastic_window_callbacks, train
+from modeling.modeling_hybrid import HybridForCausalLM
+from modeling.training import stochastic_window_callbacks, train
 from .models import Shape, model_to_train
 from .tokens import PackedSequences, TokenizedCorpus
 

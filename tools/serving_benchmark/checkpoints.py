@@ -36,7 +36,7 @@ def baseline_config(name: str, hybrid):
         return hybrid.attention_only_config(full_attention=True)
     config = hybrid.attention_only_config()
     if name == "swa-matched":
-        from modeling.lm_benchmark.models import parameter_matched_intermediate_size
+        from tools.lm_benchmark.models import parameter_matched_intermediate_size
 
         config.intermediate_size = parameter_matched_intermediate_size(hybrid)
     config.layer_types = ["sliding_attention"] * hybrid.num_hidden_layers

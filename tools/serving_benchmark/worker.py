@@ -1,5 +1,5 @@
 """The worker process: one model in one vLLM engine, in-process, so that its scheduler is readable. The protocol:
-the parent writes the spec to a JSON file and runs `python -m vllm_integration.serving_benchmark.worker SPEC`; the
+the parent writes the spec to a JSON file and runs `python -m tools.serving_benchmark.worker SPEC`; the
 worker prints its result as one `RESULT_JSON {...}` line."""
 
 import json

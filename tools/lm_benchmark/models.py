@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from configuration import HybridConfig
 
-from ..checkpoint_io import load_tensors
-from ..modeling_hybrid import HybridForCausalLM
-from ..training import is_ssm_parameter, prepare_trainable
-from ..upcycling import upcycle
+from modeling.checkpoint_io import load_tensors
+from modeling.modeling_hybrid import HybridForCausalLM
+from modeling.training import is_ssm_parameter, prepare_trainable
+from modeling.upcycling import upcycle
 from .tokens import TokenizedCorpus
 
 MODELS = ("hybrid", "swa", "swa-matched", "full", "upcycled", "distilled", "distilled-swa")

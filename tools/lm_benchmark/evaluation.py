@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..modeling_hybrid import HybridForCausalLM
+from modeling.modeling_hybrid import HybridForCausalLM
 from .models import Shape
 from .tokens import TokenizedCorpus
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from modeling.provenance import head_commit
+from tools.provenance import head_commit
 
 from .checkpoints import HYBRIDS, write_checkpoint
 from .worker import run_worker
