@@ -13,6 +13,7 @@ what is timed is the branch's own Python and aten work (the interpreter's is not
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import time
@@ -41,22 +42,37 @@ def autograd_nodes(output: torch.Tensor) -> int:
     return len(seen)
 
 
-def patch_triton_launches(launches: collections.Counter, stub: bool) -> None:
-    """Counts every Triton launch (outside the op counter: the interpreter's own tensor copies are not the branch's)
-    and, with `stub`, skips it."""
+def triton_launchers() -> tuple[tuple[type, str], ...]:
+    """The methods every Triton launch goes through: the interpreter's (CPU) and the compiled kernels' (GPU)."""
     from triton.runtime import interpreter, jit
 
-    for cls, method in ((interpreter.GridExecutor, "__call__"), (jit.JITFunction, "run")):
-        original = getattr(cls, method)
+    return (interpreter.GridExecutor, "__call__"), (jit.JITFunction, "run")
+
+
+def stub_triton_launches() -> None:
+    """Every Triton launch from now on does nothing: what is left to time is the host work around the launches."""
+    for cls, method in triton_launchers():
+        setattr(cls, method, lambda self, *args, **kwargs: None)
+
+
+@contextlib.contextmanager
+def counting_triton_launches(launches: collections.Counter):
+    """Counts the Triton launches made inside the block, each run outside the op counter (the interpreter's own
+    tensor copies are not the branch's ops). Only there: the timed steps run the launchers unwrapped."""
+    originals = [(cls, method, getattr(cls, method)) for cls, method in triton_launchers()]
+    for cls, method, original in originals:
 
         def launch(self, *args, _original=original, **kwargs):
             launches[getattr(self, "fn", self).__name__] += 1
-            if stub:
-                return None
             with _disable_current_modes():
                 return _original(self, *args, **kwargs)
 
         setattr(cls, method, launch)
+    try:
+        yield
+    finally:
+        for cls, method, original in originals:
+            setattr(cls, method, original)
 
 
 def main(argv=None) -> int:
@@ -77,8 +93,8 @@ def main(argv=None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)  # the host work of one issuing thread, as on a GPU
-    launches = collections.Counter()
-    patch_triton_launches(launches, args.stub_kernels)
+    if args.stub_kernels:
+        stub_triton_launches()
     HybridSSM._ops_for = lambda self, hidden: modeling_hybrid.KERNEL_OPS  # the kernels on CPU too (interpreter)
     heads = max(1, args.hidden // 64)
     config = HybridConfig(
@@ -102,9 +118,8 @@ def main(argv=None) -> int:
         step()
         for param in ssm.parameters():
             param.grad = None
-        launches.clear()
-        counter = CountOps()
-        with counter:
+        launches, counter = collections.Counter(), CountOps()
+        with counting_triton_launches(launches), counter:
             out = ssm(hidden)
             nodes = autograd_nodes(out)
             out.backward(grad)
