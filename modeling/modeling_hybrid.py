@@ -56,6 +56,7 @@ from configuration import HybridConfig
 from .ops import (
     causal_conv1d_ref,
     causal_conv1d_update_ref,
+    decay_rates,
     mamba_inner_ref,
     rms_normalize_heads,
     selective_scan_ref,
@@ -250,7 +251,7 @@ class HybridSSM(nn.Module):
             dt = dt.masked_fill(padding_mask[..., None] == 0, float("-inf"))
 
         # 4. Selective scan in fp32 from the cached state; packed sequences each start from zero.
-        A = -torch.exp(self.A_log.float())  # [E, N]
+        A = decay_rates(self.A_log)  # [E, N]
         initial_state = layer_cache.recurrent_states[0] if has_history else None
         y, final_state = ops.selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx, dt_softplus=True)
         if past_key_values is not None:
@@ -267,7 +268,7 @@ class HybridSSM(nn.Module):
         u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, layer_cache.conv_states[0], rows, "silu")
         dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = F.linear(dt_low, self.dt_proj.weight)  # raw: the update adds dt_proj's bias, then softplus, in fp32
-        A = -torch.exp(self.A_log.float())
+        A = decay_rates(self.A_log)
         if padding_mask is not None:
             rows = torch.where(padding_mask[:, -1].bool(), rows, -1)
         y = torch.empty_like(u)

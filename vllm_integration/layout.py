@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from modeling.ops import decay_rates
+
 # Transformers projection -> (fused vLLM projection, shard id of vLLM's fused-layer loader), in concatenation order.
 STACKED_PROJECTIONS = {
     ".self_attn.q_proj.": (".self_attn.qkv_proj.", "q"),
@@ -31,9 +33,9 @@ SSM_RENAMES = {
 
 
 def a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:
-    """The state decay rates A = -exp(A_log), in fp32: what the kernels read. Raises ValueError where it overflows
-    float32 (A_log above ~88.7), which no kernel could use."""
-    a = -torch.exp(a_log.float())
+    """The state decay rates A = -exp(A_log), in fp32 (`decay_rates`): what the kernels read. Raises ValueError where
+    it overflows float32 (A_log above ~88.7), which no kernel could use."""
+    a = decay_rates(a_log)
     if not torch.isfinite(a).all():
         limit = math.log(torch.finfo(torch.float32).max)
         raise ValueError(

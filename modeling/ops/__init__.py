@@ -5,6 +5,7 @@ the ground truth for its Triton kernels in the package beside it:
     selective_scan/     training scan (fwd/bwd), varlen prefill scan and decode state update over an ssm state cache
     mamba_inner/        the branch between its projections (conv, x_proj, dt_proj, scan) as one training op
     branch_norm.py      the per-head normalisation of both branches before their sum (`ssm_branch_norm`)
+    decay.py            the state decay rates A = -exp(A_log) in fp32, for every path that reads A_log
                         (packages laid out as fla's ops: reference.py, exported here; the kernels behind interface.py)
 
 The kernels that only vLLM's layouts need (the paged window attention, the fused decode of window attention and state
@@ -17,6 +18,7 @@ Triton.
 
 from .branch_norm import rms_normalize_heads
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from .decay import decay_rates
 from .mamba_inner import mamba_inner_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
 
@@ -24,6 +26,7 @@ __all__ = [
     "causal_conv1d_ref",
     "causal_conv1d_update_ref",
     "causal_conv1d_varlen_ref",
+    "decay_rates",
     "mamba_inner_ref",
     "rms_normalize_heads",
     "selective_scan_ref",

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
+from ..decay import decay_rates
 from ..selective_scan.interface import (
     ScanBlocks,
     ScanResiduals,
@@ -49,7 +50,7 @@ class MambaInnerFunction(torch.autograd.Function):
         if padding_mask is not None:
             # softplus(-inf + bias) = 0: a zero step leaves the state as it was, and its gradient is zero
             dt.masked_fill_(padding_mask[..., None] == 0, float("-inf"))
-        A = -torch.exp(A_log.float())
+        A = decay_rates(A_log)
         B, C = check_scan_inputs(u, dt, A, B, C, D, z, dt_proj_bias, (batch_size, seq_len))
         y, _, residuals = selective_scan_fwd(u, dt, A, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks)
         ctx.save_for_backward(

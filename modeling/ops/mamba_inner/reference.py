@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from ..causal_conv1d.reference import causal_conv1d_ref
+from ..decay import decay_rates
 from ..selective_scan.reference import selective_scan_ref
 
 
@@ -43,6 +44,6 @@ def mamba_inner_ref(
     dt = F.linear(dt_low, dt_proj_weight, dt_proj_bias)
     if padding_mask is not None:
         dt = dt.masked_fill(padding_mask[..., None] == 0, float("-inf"))
-    A = -torch.exp(A_log.float())
+    A = decay_rates(A_log)
     y, _ = selective_scan_ref(u, dt, A, B, C, D, z, None, seq_idx, dt_softplus=True)
     return y

@@ -1,0 +1,11 @@
+"""The SSM's state decay rates from their log parameter, one definition for every path that reads them: the
+Transformers model's branch, the references and kernels of `mamba_inner`, and vLLM's weight loader and converter
+(vllm_integration/layout.py, which adds the finiteness check a loaded checkpoint needs)."""
+
+import torch
+
+
+def decay_rates(A_log: torch.Tensor) -> torch.Tensor:
+    """A [E, N] = -exp(A_log), in fp32 whatever A_log's dtype: what the scans read. Differentiable in A_log
+    (dA_log = dA * A)."""
+    return -torch.exp(A_log.float())
