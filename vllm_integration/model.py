@@ -110,8 +110,9 @@ class HybridAttention(nn.Module):
             is_neox_style=True,
         )
         # config.ssm_branch_norm: each branch normalised per head (this rank's heads) and scaled before the sum.
-        self.branch_norm_eps = config.rms_norm_eps if config.ssm_branch_norm else None
-        if config.ssm_branch_norm:
+        self.ssm_branch_norm = config.ssm_branch_norm
+        self.branch_norm_eps = config.rms_norm_eps
+        if self.ssm_branch_norm:
             self.attn_branch_scale = nn.Parameter(torch.ones(1))
             self.ssm_branch_scale = nn.Parameter(torch.ones(1))
         self.attn = HybridAttentionLayer(
@@ -134,7 +135,7 @@ class HybridAttention(nn.Module):
         ssm_output = self.out_proj(ssm_output)[0]  # [T, H*D] partial sums over this rank's channels
         if self.tp_size > 1:
             ssm_output = tensor_model_parallel_reduce_scatter(ssm_output, dim=-1)  # [T, H*D/tp]: this rank's heads
-        if self.branch_norm_eps is not None:
+        if self.ssm_branch_norm:
             eps = self.branch_norm_eps
             attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
             ssm_output = self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
