@@ -19,18 +19,6 @@ import torch.distributed as dist
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    ssm_intermediate_size=32,
-    ssm_state_size=4,
-    sliding_window=8,
-    layer_types=["sliding_attention", "full_attention"],
-)
 GLOBAL_BATCH, SEQ_LEN, STEPS, LR = 4, 20, 4, 1e-2
 
 
@@ -39,9 +27,17 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _batch() -> torch.Tensor:
+def _tiny_config():
+    """conftest's tiny model, with a vocabulary that two tensor-parallel ranks split evenly (`lm_head` gathers a
+    colwise output). Imported here, not at the top: conftest imports `configuration` and `modeling`."""
+    from conftest import tiny_config
+
+    return tiny_config(vocab_size=96)
+
+
+def _batch(vocab_size: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
-    return torch.randint(0, TINY["vocab_size"], (GLOBAL_BATCH, SEQ_LEN), generator=generator)
+    return torch.randint(0, vocab_size, (GLOBAL_BATCH, SEQ_LEN), generator=generator)
 
 
 def _torchrun(*args: str, timeout: int = 240) -> None:
@@ -57,10 +53,10 @@ def _torchrun(*args: str, timeout: int = 240) -> None:
 
 def test_config_import_alone_registers_the_models():
     code = f"""
-import sys
+import json
 from configuration import HybridConfig
 from transformers import AutoModel, AutoModelForCausalLM
-config = HybridConfig(**{TINY!r})
+config = HybridConfig.from_dict(json.loads({_tiny_config().to_json_string()!r}))
 assert type(AutoModelForCausalLM.from_config(config)).__name__ == "HybridForCausalLM"
 assert type(AutoModel.from_config(config)).__name__ == "HybridModel"
 """
@@ -92,13 +88,12 @@ def _spawned_build(rank: int, pickled_config: bytes, out_path: str) -> None:
 
 
 def test_spawned_worker_builds_the_model_from_an_unpickled_config(tmp_path):
-    from configuration import HybridConfig
-
+    config = _tiny_config()
     out_path = tmp_path / "spawned.json"
     torch.multiprocessing.spawn(
-        _spawned_build, args=(pickle.dumps(HybridConfig(**TINY)), str(out_path)), nprocs=1, start_method="spawn"
+        _spawned_build, args=(pickle.dumps(config), str(out_path)), nprocs=1, start_method="spawn"
     )
-    assert json.loads(out_path.read_text()) == {"class": "HybridForCausalLM", "shape": [1, 8, TINY["vocab_size"]]}
+    assert json.loads(out_path.read_text()) == {"class": "HybridForCausalLM", "shape": [1, 8, config.vocab_size]}
 
 
 # --- FSDP: two CPU processes (gloo) train as one on the same global batch -----------------------------------------
@@ -119,10 +114,9 @@ def _train(model, input_ids: torch.Tensor, reduce_loss) -> list[float]:
 def _fresh_model():
     from transformers import AutoModelForCausalLM
 
-    from configuration import HybridConfig
-
+    config = _tiny_config()
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(HybridConfig(**TINY), attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
 def _finish() -> None:
@@ -147,7 +141,7 @@ def _fsdp_worker(out_path: str) -> None:
         dist.all_reduce(loss)
         return loss / world_size
 
-    losses = _train(model, _batch()[rank * rows : (rank + 1) * rows], mean_over_ranks)
+    losses = _train(model, _batch(model.config.vocab_size)[rank * rows : (rank + 1) * rows], mean_over_ranks)
     if rank == 0:
         Path(out_path).write_text(json.dumps(losses))
     _finish()
@@ -155,7 +149,8 @@ def _fsdp_worker(out_path: str) -> None:
 
 def test_fsdp_two_processes_train_as_one(tmp_path):
     torch.set_num_threads(1)
-    single = _train(_fresh_model(), _batch(), lambda loss: loss)
+    model = _fresh_model()
+    single = _train(model, _batch(model.config.vocab_size), lambda loss: loss)
     _torchrun("fsdp", str(tmp_path / "fsdp.json"))
     fsdp = json.loads((tmp_path / "fsdp.json").read_text())
     assert single[-1] < single[0]  # it trains
@@ -171,8 +166,8 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
 
     import configuration  # noqa: F401  (registers model_type "hybrid": `from_pretrained` reads it)
 
-    input_ids = _batch()[:2]
     reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+    input_ids = _batch(reference.config.vocab_size)[:2]
     sharded = AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", attn_implementation="eager")
     rank = dist.get_rank()
     with torch.no_grad():
@@ -204,11 +199,11 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
 
 
 def test_tensor_parallel_from_pretrained_gives_the_unsharded_logits(tmp_path):
-    from configuration import HybridConfig
     from modeling import HybridForCausalLM
 
+    config = _tiny_config()
     torch.manual_seed(0)
-    model = HybridForCausalLM(HybridConfig(**TINY))
+    model = HybridForCausalLM(config)
     with torch.no_grad():  # out_proj starts at zero: give the SSM branch something to add
         for layer in model.model.layers:
             layer.self_attn.ssm.out_proj.weight.normal_(0, 0.2)
