@@ -1,6 +1,10 @@
-"""`HybridConfig`. Importing this package registers `model_type="hybrid"` with `AutoConfig`, and the model classes
-with `AutoModel` and `AutoModelForCausalLM` (through `modeling`), so that a process that only unpickles or loads a
-config (an FSDP or accelerate worker, a spawned `from_config`) can build the model."""
+"""`HybridConfig`. Importing this package registers `model_type="hybrid"` with `AutoConfig` and imports nothing of
+`modeling`, the package above it: `import modeling` registers the model classes with `AutoModel`,
+`AutoModelForCausalLM` and the heads' Auto classes.
+
+A process that only unpickles a config (an FSDP or accelerate worker, a spawned `from_config`) still finds the model
+classes: `HybridConfig` is public as `modeling.HybridConfig` (`__module__`, as numpy's `set_module` does), so a pickle
+names that module and unpickling imports `modeling`."""
 
 from transformers import AutoConfig
 
@@ -8,9 +12,8 @@ from .configuration_hybrid import HybridConfig
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
 
-# Last, once `HybridConfig` is bound: `modeling` imports it from here. Started from `import modeling`, this returns
-# the partly initialised package, which registers the model classes itself when it finishes. Cheap on a machine
-# without a GPU: the Triton kernels are defined, not compiled, and CUDA is not initialised.
-import modeling  # noqa: F401
+# A name, not an import: pickle resolves it (and `modeling` re-exports the class). Transformers reads a config class's
+# `__module__` only to tell its own classes ("transformers.") from others, which this one stays.
+HybridConfig.__module__ = "modeling"
 
 __all__ = ["HybridConfig"]

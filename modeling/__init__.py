@@ -1,6 +1,9 @@
 """The hybrid model for Transformers. Importing this package registers `HybridConfig` and its models with the Auto
 classes: `HybridModel` (`AutoModel`), `HybridForCausalLM` (`AutoModelForCausalLM`) and the standard heads
-(`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`, `AutoModelForQuestionAnswering`)."""
+(`AutoModelForSequenceClassification`, `AutoModelForTokenClassification`, `AutoModelForQuestionAnswering`).
+
+`HybridConfig` (defined in `configuration`) is public here: its pickles name `modeling.HybridConfig`, so a process that
+unpickles a config imports this package, and the Auto classes can build the model there."""
 
 from transformers import (
     AutoModel,

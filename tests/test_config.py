@@ -1,8 +1,11 @@
+import copy
 import json
 import math
+import pickle
 
 import pytest
 from conftest import tiny_config
+from transformers import AutoConfig
 
 from configuration import HybridConfig
 
@@ -174,6 +177,19 @@ def test_round_trip(tmp_path):
     loaded = HybridConfig.from_pretrained(tmp_path)
     assert loaded.to_dict() == config.to_dict()
     assert loaded.rope_parameters["rope_theta"] == 5000.0
+    assert type(AutoConfig.from_pretrained(tmp_path)) is HybridConfig
+
+
+def test_pickle_round_trip_names_the_public_module():
+    """Pickles name `modeling.HybridConfig` (configuration/__init__.py), the same class, so that unpickling imports
+    `modeling`, which registers the model classes (tests/test_distributed.py runs it in fresh processes)."""
+    import modeling
+
+    config = tiny_config(ssm_branch_norm=True)
+    assert modeling.HybridConfig is HybridConfig and HybridConfig.__module__ == "modeling"
+    loaded = pickle.loads(pickle.dumps(config))
+    assert type(loaded) is HybridConfig and loaded.to_dict() == config.to_dict()
+    assert copy.deepcopy(config).to_dict() == config.to_dict()
 
 
 def test_branch_norm_needs_the_ssm_branch():

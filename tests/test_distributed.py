@@ -1,6 +1,6 @@
-"""The model in other processes (issue 19, items 5 and 3): registered from `configuration` alone (what a spawned worker
-that unpickles a config imports), FSDP training on two CPU processes, and tensor parallelism through
-`from_pretrained(..., tp_plan="auto")`.
+"""The model in other processes (issue 19, items 5 and 3): registered in a process that only unpickles a config (a
+spawned worker; the pickle names `modeling.HybridConfig`) while `configuration` imports nothing of `modeling`, FSDP
+training on two CPU processes, and tensor parallelism through `from_pretrained(..., tp_plan="auto")`.
 
 Nothing of `configuration` or `modeling` is imported at the top: a spawned worker imports this module to find its
 function and must start without them. The two-process tests run this file under `torchrun` (see `__main__`).
@@ -48,17 +48,35 @@ def _torchrun(*args: str, timeout: int = 240) -> None:
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
 
 
-# --- Registration from `configuration` alone ---------------------------------------------------------------------
+# --- Registration: from a config's pickle alone; `configuration` below `modeling` ----------------------------------
 
 
-def test_config_import_alone_registers_the_models():
+def test_unpickling_a_config_alone_registers_the_models():
     code = f"""
-import json
-from configuration import HybridConfig
+import pickle
+import sys
 from transformers import AutoModel, AutoModelForCausalLM
-config = HybridConfig.from_dict(json.loads({_tiny_config().to_json_string()!r}))
+config = pickle.loads({pickle.dumps(_tiny_config())!r})
+assert "modeling" in sys.modules, "unpickling imports `modeling`, the config class's public module"
 assert type(AutoModelForCausalLM.from_config(config)).__name__ == "HybridForCausalLM"
 assert type(AutoModel.from_config(config)).__name__ == "HybridModel"
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_configuration_imports_nothing_of_modeling():
+    """The ground floor stays below the floor above: `configuration` registers the config with AutoConfig alone
+    (what vLLM's plugin imports in every process), and `modeling` registers the model classes."""
+    code = """
+import sys
+import configuration
+from transformers import AutoConfig
+ours = sorted(name for name in sys.modules if name.split(".")[0] in ("modeling", "vllm_integration"))
+assert not ours, f"`import configuration` imported {ours}"
+assert type(AutoConfig.for_model("hybrid")) is configuration.HybridConfig
 """
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=120
@@ -81,7 +99,7 @@ def _spawned_build(rank: int, pickled_config: bytes, out_path: str) -> None:
     assert "configuration" not in sys.modules and "modeling" not in sys.modules, "the worker started with them"
     from transformers import AutoModelForCausalLM
 
-    config = pickle.loads(pickled_config)  # imports `configuration` (the class's module), nothing else of ours
+    config = pickle.loads(pickled_config)  # imports `modeling` (the class's public module), which registers the models
     model = AutoModelForCausalLM.from_config(config)
     logits = model(torch.arange(8)[None]).logits
     Path(out_path).write_text(json.dumps({"class": type(model).__name__, "shape": list(logits.shape)}))
@@ -164,7 +182,7 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
-    import configuration  # noqa: F401  (registers model_type "hybrid": `from_pretrained` reads it)
+    import modeling  # noqa: F401  (registers model_type "hybrid" and the model classes: `from_pretrained` reads them)
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
     input_ids = _batch(reference.config.vocab_size)[:2]
