@@ -12,6 +12,8 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention")
+# The history branches `modeling.history.HISTORY_BRANCHES` builds (docs/DESIGN.md); a test keeps the two in step.
+SSM_TYPES = ("mamba1",)
 # Fields that mean the same in HybridConfig and in Transformers' Llama, Mistral and Qwen2 configs (upcycling reads
 # them from a source, `attention_only_config` writes them into a twin).
 ATTENTION_MODEL_FIELDS = (
@@ -84,6 +86,9 @@ class HybridConfig(PreTrainedConfig):
         layer_types (`list[str]`, *optional*):
             Attention kind per layer, `"sliding_attention"` or `"full_attention"`; defaults to all sliding. Every layer
             has the SSM branch whatever its attention kind.
+        ssm_type (`str`, *optional*, defaults to `"mamba1"`):
+            The kind of history branch in every layer (docs/DESIGN.md): `"mamba1"`, Mamba-1's selective scan with a
+            diagonal state per channel. The `ssm_*` fields below size it.
         ssm_state_size (`int`, *optional*, defaults to 16):
             State size N per SSM channel.
         ssm_conv_kernel_size (`int`, *optional*, defaults to 4):
@@ -168,6 +173,7 @@ class HybridConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     sliding_window: int | None = 4096
     layer_types: list[str] | None = None
+    ssm_type: str = "mamba1"
     ssm_state_size: int = 16
     ssm_conv_kernel_size: int = 4
     ssm_intermediate_size: int | None = None
@@ -245,6 +251,8 @@ class HybridConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not _is_finite(value) or not value > 0:
                 raise ValueError(f"HybridConfig.{name} must be a positive finite number, got {value!r}")
+        if self.ssm_type not in SSM_TYPES:
+            raise ValueError(f"HybridConfig.ssm_type must be one of {', '.join(SSM_TYPES)}, got {self.ssm_type!r}")
         if not _is_finite(self.initializer_range) or self.initializer_range < 0:
             raise ValueError(
                 f"HybridConfig.initializer_range must be a finite number >= 0, got {self.initializer_range!r}"

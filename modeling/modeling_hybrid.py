@@ -1,16 +1,13 @@
-"""PyTorch hybrid model: every decoder layer runs sliding-window (or full) attention in parallel with a Mamba-1
-selective-SSM "history branch" that carries what has left the window. docs/DESIGN.md fixes the math and the names.
+"""PyTorch hybrid model: every decoder layer runs sliding-window (or full) attention in parallel with a selective-SSM
+"history branch" that carries what has left the window. docs/DESIGN.md fixes the math and the names.
 
-Read top to bottom: cache, small modules, attention, SSM branch, decoder layer, `PreTrainedModel`, model, LM head.
+Read top to bottom: cache, small modules, attention (which owns the history branch of `config.ssm_type`, built from
+modeling/history), decoder layer, `PreTrainedModel`, model, LM head.
 """
 
-import importlib.util
-import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
@@ -53,49 +50,11 @@ from transformers.utils.output_capturing import capture_outputs
 
 from configuration import HybridConfig
 
-from .ops import (
-    causal_conv1d_ref,
-    causal_conv1d_update_ref,
-    decay_rates,
-    mamba_inner_ref,
-    rms_normalize_heads,
-    selective_scan_ref,
-    selective_state_update_ref,
-)
+from .history import HistoryBranch, build_history_branch
+from .ops import rms_normalize_heads
 
 
 logger = logging.get_logger(__name__)
-
-# The SSM branch's Triton kernels (causal conv1d and selective scan, forward and backward) run on CUDA tensors; Triton
-# ships with PyTorch's CUDA builds. Elsewhere, or with `config.use_ssm_kernels=False`, the PyTorch references run.
-is_fast_path_available = importlib.util.find_spec("triton") is not None
-
-
-class SSMOps(NamedTuple):
-    """The SSM branch's ops, all Triton kernels or all PyTorch references (same signatures): the whole branch between
-    its projections with no cache (one autograd node on the kernels), the conv and the scan over sequences, and the
-    one-token decode step of each, in place on the cached history and state."""
-
-    mamba_inner: Callable
-    causal_conv1d: Callable
-    selective_scan: Callable
-    conv_update: Callable
-    state_update: Callable
-
-
-REFERENCE_OPS = SSMOps(
-    mamba_inner_ref, causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref, selective_state_update_ref
-)
-KERNEL_OPS = None
-if is_fast_path_available:
-    from .ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
-    from .ops.mamba_inner.interface import mamba_inner_fn
-    from .ops.selective_scan.interface import selective_scan_fn, selective_state_update
-
-    KERNEL_OPS = SSMOps(
-        mamba_inner_fn, causal_conv1d_fn, selective_scan_fn, causal_conv1d_update, selective_state_update
-    )
-
 
 class HybridCache(DynamicCache):
     """Per layer, Transformers' hybrid cache layer: the attention KV (only the last W-1 tokens for a sliding layer)
@@ -170,135 +129,6 @@ class HybridMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class HybridSSM(nn.Module):
-    """Mamba-1 selective-SSM history branch. Reads the layer's normalised input `h` and returns `[B, T, H*D]`, which
-    the attention adds to its own output before `o_proj`.
-
-    The state is carried in `HybridCache` across forward calls, so prefill, chunked prefill and decoding all run the
-    same code: the conv continues from the cached last K-1 inputs and the scan from the cached state.
-    """
-
-    def __init__(self, config: HybridConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.intermediate_size = config.ssm_intermediate_size
-        self.state_size = config.ssm_state_size
-        self.conv_kernel_size = config.ssm_conv_kernel_size
-        self.dt_rank = config.ssm_dt_rank
-        self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
-        self.use_kernels = config.use_ssm_kernels
-
-        self.in_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.conv1d = nn.Conv1d(
-            self.intermediate_size,
-            self.intermediate_size,
-            kernel_size=self.conv_kernel_size,
-            groups=self.intermediate_size,
-            bias=config.ssm_conv_bias,
-        )
-        self.x_proj = nn.Linear(self.intermediate_size, self.dt_rank + 2 * self.state_size, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, self.intermediate_size, bias=True)
-        self.A_log = nn.Parameter(torch.empty(self.intermediate_size, self.state_size))
-        self.D = nn.Parameter(torch.empty(self.intermediate_size))
-        self.out_proj = nn.Linear(self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        past_key_values: Cache | None = None,
-        padding_mask: torch.Tensor | None = None,
-        seq_idx: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`);
-        seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one sequence per row)."""
-        ops = self._ops_for(hidden_states)
-        has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
-
-        # 1. Input projection: xs feeds the conv and the scan, z gates the output. Padding is zeroed so that the conv
-        #    of the first real token sees the same zero history as at the start of a sequence.
-        xz = self.in_proj(hidden_states)  # [B, T, 2E]
-        if past_key_values is None and self._inner_modules_are_plain():
-            # Steps 2-4 below as one op: on the kernels one autograd node instead of about a dozen
-            y = ops.mamba_inner(
-                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
-                self.A_log, self.D, padding_mask, seq_idx,
-            )  # fmt: skip
-            return self.out_proj(y)
-        xs, z = xz.chunk(2, dim=-1)  # [B, T, E] each
-        if padding_mask is not None:
-            xs = xs * padding_mask[..., None].to(xs.dtype)
-
-        layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
-        if layer_cache is not None and xs.shape[1] == 1 and seq_idx is None and not layer_cache.record_past:
-            return self.out_proj(self._decode_step(xs[:, 0], z[:, 0], layer_cache, padding_mask, ops)[:, None])
-
-        # 2. Causal depthwise conv (silu fused), continuing from the cached last K-1 inputs.
-        conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E, K-1]
-        u = ops.causal_conv1d(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)
-        if past_key_values is not None:
-            # Updates the cached history in place: only after the conv has read it.
-            past_key_values.update_conv_state(
-                xs.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
-            )
-
-        # 3. Input-dependent step size and state projections. The step is softplus(dt_proj(...)), the softplus taken
-        #    inside the scan in fp32: the backward keeps dt_proj's [B, T, E] output alone, not fp32 copies before and
-        #    after an elementwise softplus.
-        dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        dt = self.dt_proj(dt_low)  # [B, T, E]
-        if padding_mask is not None:
-            # softplus(-inf) = 0, and a zero step leaves the state exactly as it was: padding never enters the state.
-            dt = dt.masked_fill(padding_mask[..., None] == 0, float("-inf"))
-
-        # 4. Selective scan in fp32 from the cached state; packed sequences each start from zero.
-        A = decay_rates(self.A_log)  # [E, N]
-        initial_state = layer_cache.recurrent_states[0] if has_history else None
-        y, final_state = ops.selective_scan(u, dt, A, B, C, self.D, z, initial_state, seq_idx, dt_softplus=True)
-        if past_key_values is not None:
-            past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
-
-        return self.out_proj(y)
-
-    def _decode_step(self, xs, z, layer_cache, padding_mask, ops: SSMOps) -> torch.Tensor:
-        """Steps 2-4 for one new token per row, xs and z [B, E]: the decode ops update the cached conv history and
-        state in place (the scan's recurrence at T = 1 without its chunk machinery; no host sync). A padding token
-        (padding_mask 0) does what it does in the scan: its zeroed xs enters the history, the state stays as it was
-        (the update's padding slot, -1; its output, zeros, is nobody's). Returns y [B, E]."""
-        rows = torch.arange(xs.shape[0], device=xs.device, dtype=torch.int32)  # row i owns cache row i
-        u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, layer_cache.conv_states[0], rows, "silu")
-        dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        dt = F.linear(dt_low, self.dt_proj.weight)  # raw: the update adds dt_proj's bias, then softplus, in fp32
-        A = decay_rates(self.A_log)
-        if padding_mask is not None:
-            rows = torch.where(padding_mask[:, -1].bool(), rows, -1)
-        y = torch.empty_like(u)
-        ops.state_update(layer_cache.recurrent_states[0], u, dt, A, B, C, self.D, z, self.dt_proj.bias, rows, y)
-        return y
-
-    def _inner_modules_are_plain(self) -> bool:
-        """Whether `mamba_inner` may read conv1d's, x_proj's and dt_proj's weights directly instead of calling them:
-        only when they are the plain torch modules with no hooks. An adapter (PEFT), a quantised layer or a hook on
-        any of them needs the module path, which calls each module."""
-        hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        if any(getattr(nn.modules.module, f"_global{name}") for name in hooks):
-            return False
-        return all(
-            type(module) is plain and not any(getattr(module, name) for name in hooks)
-            for module, plain in ((self.conv1d, nn.Conv1d), (self.x_proj, nn.Linear), (self.dt_proj, nn.Linear))
-        )
-
-    def _ops_for(self, hidden_states: torch.Tensor) -> SSMOps:
-        """The Triton kernels for CUDA tensors, else the PyTorch references."""
-        if hidden_states.is_cuda and self.use_kernels:
-            if is_fast_path_available:
-                return KERNEL_OPS
-            logger.warning_once(
-                "The SSM branch runs its slow PyTorch reference on CUDA because Triton is not installed "
-                "(`pip install triton`); set `config.use_ssm_kernels=False` to silence this."
-            )
-        return REFERENCE_OPS
-
-
 class HybridAttention(nn.Module):
     """GQA attention with RoPE over a sliding window (or the full prefix), plus the SSM history branch that reads the
     same input; `o_proj` projects their sum."""
@@ -320,10 +150,12 @@ class HybridAttention(nn.Module):
         self.o_proj = nn.Linear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.ssm = HybridSSM(config, layer_idx) if config.use_ssm_branch else None
+        self.ssm = build_history_branch(config, layer_idx) if config.use_ssm_branch else None
         if config.ssm_branch_norm:  # one learnable scale per branch ([1], not 0-d: FSDP shards no scalars)
             self.attn_branch_scale = nn.Parameter(torch.ones(1))
             self.ssm_branch_scale = nn.Parameter(torch.ones(1))
+        # Scales, like a norm's weight: trained without weight decay (`modeling.training.HybridTrainer`).
+        self.no_weight_decay = ("attn_branch_scale", "ssm_branch_scale") if config.ssm_branch_norm else ()
 
     def forward(
         self,
@@ -457,30 +289,8 @@ class HybridPreTrainedModel(PreTrainedModel):
         if isinstance(module, HybridAttention) and module.config.ssm_branch_norm:
             init.ones_(module.attn_branch_scale)
             init.ones_(module.ssm_branch_scale)
-        if isinstance(module, HybridSSM):
-            # Mamba's S4D-real init: A = -(1..N) per channel; D = 1.
-            A = torch.arange(1, module.state_size + 1, dtype=torch.float32, device=module.A_log.device)
-            init.copy_(module.A_log, torch.log(A).expand(module.intermediate_size, -1))
-            init.ones_(module.D)
-            # Mamba's init of the input side (PyTorch's default, as in mamba_ssm): uniform within 1/sqrt(fan_in), not
-            # the std-0.02 normal of the other projections. What the state gives back at a token is a product of
-            # in_proj, conv and x_proj (u, B and C): with any of them at 0.02 it starts near nothing (on the demo's
-            # model, 1e-5 of the skip term D * u with in_proj and x_proj at 0.02, 3e-3 with this init), and so does
-            # the gradient that teaches the branch to recall.
-            init.kaiming_uniform_(module.in_proj.weight, a=math.sqrt(5))
-            init.kaiming_uniform_(module.conv1d.weight, a=math.sqrt(5))
-            init.kaiming_uniform_(module.x_proj.weight, a=math.sqrt(5))
-            if module.conv1d.bias is not None:
-                init.zeros_(module.conv1d.bias)
-            dt_init_std = module.dt_rank**-0.5
-            init.uniform_(module.dt_proj.weight, -dt_init_std, dt_init_std)
-            # dt bias such that softplus(bias) is log-uniform in [dt_min, dt_max]; the inverse softplus gives it.
-            log_dt = torch.rand(module.intermediate_size, device=module.dt_proj.bias.device)
-            log_dt = log_dt * (torch.log(torch.tensor(module.dt_max)) - torch.log(torch.tensor(module.dt_min)))
-            dt = torch.exp(log_dt + torch.log(torch.tensor(module.dt_min))).clamp(min=module.dt_init_floor)
-            init.copy_(module.dt_proj.bias, dt + torch.log(-torch.expm1(-dt)))
-            # A fresh model is the attention model plus a branch that learns to help.
-            init.zeros_(module.out_proj.weight)
+        if isinstance(module, HistoryBranch):
+            module.init_weights()
 
 
 def packed_sequence_index(

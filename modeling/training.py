@@ -79,12 +79,14 @@ def is_ssm_parameter(name: str) -> bool:
     return ".self_attn.ssm." in name
 
 
-def trains_without_weight_decay(name: str) -> bool:
-    """Whether a parameter trains without weight decay beside Trainer's own exclusions (biases, norm weights): the SSM
-    branch's A_log and D, as Mamba trains them, and the branch scales of `config.ssm_branch_norm`, which are scales
-    like a norm's weight."""
-    last = name.rsplit(".", 1)[-1]
-    return (is_ssm_parameter(name) and last in ("A_log", "D")) or last in ("attn_branch_scale", "ssm_branch_scale")
+def no_weight_decay_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters that train without weight decay beside Trainer's own exclusions (biases, norm weights), as each
+    module declares them in `no_weight_decay`: a history branch's own (Mamba-1's A_log and D, as Mamba trains them)
+    and the branch scales of `config.ssm_branch_norm`, which are scales like a norm's weight. Names as
+    `named_parameters` gives them (a PEFT wrapper's prefix included)."""
+    return {
+        f"{prefix}.{name}" for prefix, module in model.named_modules() for name in getattr(module, "no_weight_decay", ())
+    }
 
 
 def prepare_trainable(
@@ -179,7 +181,8 @@ class HybridTrainer(Trainer):
     `config.ssm_branch_norm`; biases and norms are spared as `Trainer` spares them."""
 
     def get_decay_parameter_names(self, model) -> list[str]:
-        return [name for name in super().get_decay_parameter_names(model) if not trains_without_weight_decay(name)]
+        spared = no_weight_decay_parameter_names(model)
+        return [name for name in super().get_decay_parameter_names(model) if name not in spared]
 
 
 class DistillationTrainer(HybridTrainer):

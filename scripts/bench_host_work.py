@@ -1,4 +1,4 @@
-"""Host-side work of one SSM branch's training step (forward + backward of `HybridSSM` alone), on the fused op
+"""Host-side work of one SSM branch's training step (forward + backward of `Mamba1Branch` alone), on the fused op
 (`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on x_proj, as an adapter
 would): aten ops dispatched, autograd nodes recorded, Triton launches, and the host time per step.
 
@@ -87,15 +87,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from configuration import HybridConfig
-    from modeling import HybridForCausalLM, modeling_hybrid
-    from modeling.modeling_hybrid import HybridSSM
+    from modeling import HybridForCausalLM
+    from modeling.history import mamba1
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)  # the host work of one issuing thread, as on a GPU
     if args.stub_kernels:
         stub_triton_launches()
-    HybridSSM._ops_for = lambda self, hidden: modeling_hybrid.KERNEL_OPS  # the kernels on CPU too (interpreter)
+    mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS  # the kernels on CPU too (interpreter)
     heads = max(1, args.hidden // 64)
     config = HybridConfig(
         vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=1,

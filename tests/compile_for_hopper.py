@@ -39,9 +39,10 @@ def model_training_and_decode_steps():
     """The Transformers model on its kernels, bf16: a training step (conv and scan, forward and backward, packed rows
     too) and cached one-token steps (conv update, state update)."""
     from configuration import HybridConfig
-    from modeling import HybridForCausalLM, modeling_hybrid
+    from modeling import HybridForCausalLM
+    from modeling.history import mamba1
 
-    modeling_hybrid.HybridSSM._ops_for = lambda self, hidden: modeling_hybrid.KERNEL_OPS
+    mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS
     config = HybridConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, sliding_window=16, ssm_state_size=16, max_position_embeddings=512,

@@ -25,6 +25,8 @@ INVALID_FIELDS = [
     ("initializer_range", -0.1),
     ("attention_dropout", 1.5),
     ("hidden_act", "not_an_activation"),
+    ("ssm_type", "mamba3"),
+    ("ssm_type", None),
     ("sliding_window", 0),
     ("sliding_window", 1),  # Transformers' sliding cache keeps everything for W = 1
     ("sliding_window", None),  # a sliding layer needs a window
@@ -190,6 +192,13 @@ def test_pickle_round_trip_names_the_public_module():
     loaded = pickle.loads(pickle.dumps(config))
     assert type(loaded) is HybridConfig and loaded.to_dict() == config.to_dict()
     assert copy.deepcopy(config).to_dict() == config.to_dict()
+
+
+def test_every_ssm_type_the_config_accepts_has_a_branch():
+    from configuration.configuration_hybrid import SSM_TYPES
+    from modeling.history import HISTORY_BRANCHES
+
+    assert set(SSM_TYPES) == set(HISTORY_BRANCHES)
 
 
 def test_branch_norm_needs_the_ssm_branch():

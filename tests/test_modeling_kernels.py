@@ -5,8 +5,9 @@ only for CUDA tensors, so these tests hand them over explicitly); on a GPU, the 
 import pytest
 import torch
 
-from modeling import HybridStaticCache, modeling_hybrid
-from modeling.modeling_hybrid import HybridSSM
+from modeling import HybridStaticCache
+from modeling.history import mamba1
+from modeling.history.mamba1 import Mamba1Branch
 
 pytest.importorskip("triton")
 
@@ -19,8 +20,8 @@ def kernels_on_cpu(monkeypatch):
     """Hands the Triton kernels (interpreted on CPU) to every SSM branch whose config allows them."""
     if ON_GPU:
         return
-    kernels, references = modeling_hybrid.KERNEL_OPS, modeling_hybrid.REFERENCE_OPS
-    monkeypatch.setattr(HybridSSM, "_ops_for", lambda self, hidden: kernels if self.use_kernels else references)
+    kernels, references = mamba1.KERNEL_OPS, mamba1.REFERENCE_OPS
+    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: kernels if self.use_kernels else references)
 
 
 def kernel_and_reference_models(make_model, dtype=torch.float32, **overrides):
@@ -31,13 +32,13 @@ def kernel_and_reference_models(make_model, dtype=torch.float32, **overrides):
 
 
 def test_model_picks_kernels_for_cuda_tensors_unless_told_not_to(make_model):
-    references = modeling_hybrid.REFERENCE_OPS
+    references = mamba1.REFERENCE_OPS
     ssm = make_model().model.layers[0].self_attn.ssm
     assert ssm._ops_for(torch.randn(1, 3, 48)) == references, "CPU tensors take the reference path"
     if ON_GPU:
         ssm = ssm.cuda()
         hidden = torch.randn(1, 3, 48, device="cuda")
-        assert ssm._ops_for(hidden) == modeling_hybrid.KERNEL_OPS
+        assert ssm._ops_for(hidden) == mamba1.KERNEL_OPS
         ssm_reference = make_model(use_ssm_kernels=False).model.layers[0].self_attn.ssm.cuda()
         assert ssm_reference._ops_for(hidden) == references
 
@@ -71,12 +72,12 @@ def test_the_fused_branch_and_the_module_path_give_the_same_output_and_gradients
     def counted(name, op):
         return lambda *args, **kwargs: calls.append(name) or op(*args, **kwargs)
 
-    kernels = modeling_hybrid.KERNEL_OPS
+    kernels = mamba1.KERNEL_OPS
     counting = kernels._replace(
         mamba_inner=counted("mamba_inner", kernels.mamba_inner),
         selective_scan=counted("selective_scan", kernels.selective_scan),
     )
-    monkeypatch.setattr(HybridSSM, "_ops_for", lambda self, hidden: counting)  # the kernels, on CPU too
+    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: counting)  # the kernels, on CPU too
     model = make_model().to(DEVICE, dtype).train()
     ssm = model.model.layers[0].self_attn.ssm
     generator = torch.Generator().manual_seed(3)

@@ -9,7 +9,7 @@ takes dt_proj's bias inside the scan. It dispatches about as many aten ops as th
 kernels' allocations and reductions stay); what goes is the autograd bookkeeping between them.
 
 The module path stays for what this op cannot see: adapters or quantised layers in place of x_proj / dt_proj /
-conv1d, hooks on them, and the cache (HybridSSM picks).
+conv1d, hooks on them, and the cache (Mamba1Branch picks).
 """
 
 import torch

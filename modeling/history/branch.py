@@ -1,0 +1,46 @@
+"""What a history branch is to the layer that owns it: `HybridAttention` builds one per layer for `config.ssm_type`
+(`modeling.history.HISTORY_BRANCHES`) and talks to it through this class only."""
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+
+
+class HistoryBranch(nn.Module, ABC):
+    """A sequence mixer that reads the layer's normalised input `h` beside the window attention and returns what it
+    adds to the attention's output before `o_proj` (docs/DESIGN.md, `s = SSM(h)`).
+
+    Its parameters live under `self_attn.ssm.` (checkpoint names per branch kind in docs/DESIGN.md). Across forward
+    calls it carries its state in the model's hybrid cache layers (Transformers' `LinearAttentionAnd*Layer`: a conv
+    history `conv_states` and a recurrent state `recurrent_states` per layer, shaped by the branch), so prefill,
+    chunked prefill and decoding run the same code.
+    """
+
+    # Parameters that train without weight decay (`modeling.training.HybridTrainer` reads this attribute of every
+    # module), as the branch's own recipe trains them, e.g. Mamba's A_log and D.
+    no_weight_decay: tuple[str, ...] = ()
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    @abstractmethod
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`; padding
+        never enters the state); seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one
+        sequence per row; each packed sequence starts from a zero state). With `past_key_values` the branch continues
+        from this layer's cached state and leaves its new state there. Returns [B, T, num_heads * head_dim]."""
+
+    @abstractmethod
+    def init_weights(self) -> None:
+        """The branch's own initialisation (docs/DESIGN.md), run by `HybridPreTrainedModel._init_weights` after the
+        generic init of its submodules. `out_proj` starts at zero: a fresh or upcycled model is its attention
+        model."""
