@@ -48,7 +48,7 @@ def random_branch(batch, seq_len, channels, state, dt_rank, width=4, seed=0):
 def assert_close_scaled(actual, expected, tol, name):
     scale = expected.abs().max().clamp_min(1.0).item()
     torch.testing.assert_close(
-        actual.double().cpu(), expected, atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}"
+        actual.double().cpu(), expected.cpu(), atol=tol * scale, rtol=tol, msg=lambda m: f"{name}: {m}"
     )
 
 
