@@ -16,10 +16,14 @@ import collections
 import contextlib
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's packages, installed or not
 
 
 class CountOps(TorchDispatchMode):
