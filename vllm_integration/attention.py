@@ -4,11 +4,12 @@ history branch over its state cache, in one op per layer.
 Two caches, one layer:
     KV cache    the `Attention` part: sliding-window spec for sliding layers (blocks leaving the window are freed),
                 full spec for full-attention layers. Metadata at `attn_metadata[prefix]`.
-    SSM state   the `HybridSSMAdapter` at `prefix + ".ssm"`: Mamba-1 state spec, one slot per running request.
-                Metadata at `attn_metadata[prefix + ".ssm"]`.
+    SSM state   the history branch at `prefix + ".ssm"` (vllm_integration/history, the kind `config.ssm_type`
+                names): a Mamba-style state spec, one slot per running request. Metadata at
+                `attn_metadata[prefix + ".ssm"]`.
 
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
-attention and runs the SSM branch (`HybridSSMAdapter.forward`, given the kernels to run). On CUDA,
+attention and runs the history branch (its `forward`, given the ops to run). On CUDA,
 `HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
 Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once, prefills
 through the paged window attention (vLLM's FlashAttention 3 on Hopper, which reads this layout too) and the varlen
@@ -17,9 +18,10 @@ the SSM branch on the PyTorch references.
 """
 
 import functools
-from dataclasses import replace
+from collections.abc import Callable
 
 import torch
+from torch import nn
 from torch.library import Library
 from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 from vllm.config import CacheConfig
@@ -41,7 +43,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.attention.selector import get_attn_backend
 
-from .ssm import REFERENCE_KERNELS, HybridSSMAdapter, HybridSSMSpec, token_split, triton_kernels
+from .history import token_split
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
 
@@ -52,10 +54,12 @@ HYBRID_ATTENTION_OP = "hybrid_swa_ssm::hybrid_attention"
 
 
 class HybridAttentionImplMixin:
-    """Adds `forward_hybrid` to a platform attention impl: the new tokens' KV written, then `hybrid_forward` (window
-    attention plus SSM branch), which each backend flavour below implements."""
+    """Adds `forward_hybrid` to a platform attention impl: the new tokens' KV written, then `attend_and_run_branch`
+    (window attention plus history branch), which each backend flavour below implements."""
 
-    def forward_hybrid(self, layer: "HybridAttentionLayer", query, key, value, xz, output, ssm_output) -> None:
+    def forward_hybrid(
+        self, layer: "HybridAttentionLayer", query, key, value, branch_input, output, ssm_output
+    ) -> None:
         context = get_forward_context()
         if context.attn_metadata is None:  # profiling run: nothing is cached yet
             ssm_output.zero_()
@@ -65,15 +69,19 @@ class HybridAttentionImplMixin:
             self.do_kv_cache_update(layer, key, value, layer.kv_cache, slot_mapping)
         attn_metadata = context.attn_metadata[layer.layer_name]
         ssm_metadata = context.attn_metadata[layer.ssm.prefix]
-        self.hybrid_forward(layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata)
+        self.attend_and_run_branch(
+            layer, query, key, value, branch_input, output, ssm_output, attn_metadata, ssm_metadata
+        )
 
 
 class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     """CUDA, over vLLM's Triton attention layout and metadata: the decodes in one fused launch (window attention and
-    SSM state update: the decode step the SSM branch is given), the prefills through the paged window attention
+    SSM state update: the decode step the history branch is given), the prefills through the paged window attention
     (FlashAttention 3 where `flash_attention_available`, else ours) and the branch's varlen conv and scan kernels."""
 
-    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
+    def attend_and_run_branch(
+        self, layer, query, key, value, branch_input, output, ssm_output, attn_metadata, ssm_metadata
+    ):
         from .ops.hybrid_decode.interface import hybrid_decode
         from .ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
         from .ops.paged_attention.interface import paged_window_attention
@@ -99,14 +107,14 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
                 **scales,
             )  # fmt: skip
         # The decodes' window attention runs inside their SSM state update, in one launch.
-        decode_step = functools.partial(
+        fused_decode_attention = functools.partial(
             hybrid_decode, query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
             attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
             counters=layer.split_counters, **scales,
         )  # fmt: skip
         # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
-        kernels = replace(triton_kernels(), state_update=decode_step)
-        layer.ssm.forward(xz, ssm_output, ssm_metadata, kernels, max_prefill_len=attn_metadata.max_query_len)
+        ops = layer.ssm.triton_ops(fused_decode_attention)
+        layer.ssm.forward(branch_input, ssm_output, ssm_metadata, ops, max_prefill_len=attn_metadata.max_query_len)
 
 
 class HybridTritonAttentionMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -140,9 +148,11 @@ class HybridTritonAttentionBackend(TritonAttentionBackend):
 class PlatformHybridImplMixin(HybridAttentionImplMixin):
     """Any other platform (CPU): the platform's own paged attention, then the SSM branch on the PyTorch references."""
 
-    def hybrid_forward(self, layer, query, key, value, xz, output, ssm_output, attn_metadata, ssm_metadata):
+    def attend_and_run_branch(
+        self, layer, query, key, value, branch_input, output, ssm_output, attn_metadata, ssm_metadata
+    ):
         self.forward(layer, query, key, value, layer.kv_cache, attn_metadata, output=output)
-        layer.ssm.forward(xz, ssm_output, ssm_metadata, REFERENCE_KERNELS)
+        layer.ssm.forward(branch_input, ssm_output, ssm_metadata, layer.ssm.reference_ops)
 
 
 @functools.cache
@@ -170,9 +180,10 @@ def platform_hybrid_backend(base_backend: type[AttentionBackend]) -> type[Attent
 
 
 class HybridAttentionLayer(Attention):
-    """Attention with an SSM history branch: `forward(q, k, v, xz)` returns `(attention [T, H*D], ssm [T, E])`,
-    the latter `y * silu(z)` before `out_proj`. Keeps `Attention`'s KV-cache spec and owns a `HybridSSMAdapter`
-    (prefix `f"{prefix}.ssm"`) whose state spec vLLM's KV-cache manager allocates too."""
+    """Attention with a history branch: `forward(q, k, v, in_proj_output)` returns `(attention [T, H*D], branch
+    [T, E])`, the latter before `out_proj` (Mamba-1: `y * silu(z)`). Keeps `Attention`'s KV-cache spec and owns the
+    history branch that `make_history_branch(prefix)` builds (its prefix `f"{prefix}.ssm"`), whose state spec vLLM's
+    KV-cache manager allocates too."""
 
     def __init__(
         self,
@@ -181,7 +192,7 @@ class HybridAttentionLayer(Attention):
         scale: float,
         num_kv_heads: int,
         *,
-        ssm: HybridSSMSpec,
+        make_history_branch: Callable[[str], nn.Module],
         sliding_window: int | None,
         max_num_seqs: int,
         cache_config: CacheConfig | None = None,
@@ -219,17 +230,17 @@ class HybridAttentionLayer(Attention):
             # (request, kv head): vLLM runs and pads decode batches to at most max_num_seqs requests.
             counters = torch.zeros(max_num_seqs * self.num_kv_heads, dtype=torch.int32)
             self.register_buffer("split_counters", counters, persistent=False)
-        self.ssm = HybridSSMAdapter(ssm, cache_config=cache_config, prefix=f"{prefix}.ssm")
+        self.ssm = make_history_branch(f"{prefix}.ssm")  # after the attention: vLLM lists the layers in this order
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, xz: torch.Tensor):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, branch_input: torch.Tensor):
         num_tokens = query.shape[0]
         output = torch.empty(num_tokens, self.num_heads, self.head_size, dtype=query.dtype, device=query.device)
-        ssm_output = torch.empty(num_tokens, self.ssm.local_size, dtype=xz.dtype, device=xz.device)
+        ssm_output = torch.empty(num_tokens, self.ssm.local_size, dtype=branch_input.dtype, device=branch_input.device)
         torch.ops.hybrid_swa_ssm.hybrid_attention(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
-            xz,
+            branch_input,
             output,
             ssm_output,
             _encode_layer_name(self.layer_name),
@@ -244,16 +255,16 @@ def hybrid_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    xz: torch.Tensor,
+    branch_input: torch.Tensor,
     output: torch.Tensor,
     ssm_output: torch.Tensor,
     layer_name: LayerNameType,
 ) -> None:
     layer = get_forward_context().no_compile_layers[_resolve_layer_name(layer_name)]
-    layer.impl.forward_hybrid(layer, query, key, value, xz, output, ssm_output)
+    layer.impl.forward_hybrid(layer, query, key, value, branch_input, output, ssm_output)
 
 
-def hybrid_attention_fake(query, key, value, xz, output, ssm_output, layer_name) -> None:
+def hybrid_attention_fake(query, key, value, branch_input, output, ssm_output, layer_name) -> None:
     return
 
 

@@ -39,9 +39,7 @@ from modeling.checkpoint_io import (
     write_directory_atomically,
 )
 
-from .layout import STACKED_PROJECTIONS, a_from_a_log
-
-FP32_TENSORS = (".A_log", ".D")
+from .layout import FP32_TENSORS, STACKED_PROJECTIONS, a_from_a_log
 
 
 def load_config(hf_dir: Path) -> HybridConfig:

@@ -1,7 +1,7 @@
 """Where each Transformers tensor goes in the vLLM model: the names as data, which vLLM's `WeightsMapper` applies
 when loading (model.py) and the converter reads to fuse projections (convert.py), so the two paths cannot disagree.
 
-Values change in one place only, the receiving parameter's weight loader (ssm.py): `A = -exp(A_log)` (fp32), the
+Values change in one place only, the receiving parameter's weight loader (history/mamba1.py): `A = -exp(A_log)` (fp32), the
 conv weight `[E, 1, K]` viewed as `[E, K]`. A converted checkpoint keeps the Transformers names and values of the SSM
 tensors; it differs from a Transformers one by its fused projections and its dtype."""
 
@@ -22,7 +22,7 @@ STACKED_PROJECTIONS = {
 
 # Transformers SSM tensor -> vLLM parameter, substring renames applied in this order (each at most once). in_proj and
 # out_proj project the layer input and output beside q/k/v and o_proj; the stateful rest belongs to the attention
-# layer's SSM adapter (`self_attn.attn.ssm`).
+# layer's history branch (`self_attn.attn.ssm`).
 SSM_RENAMES = {
     ".self_attn.ssm.in_proj.": ".self_attn.in_proj.",
     ".self_attn.ssm.out_proj.": ".self_attn.out_proj.",
@@ -30,6 +30,10 @@ SSM_RENAMES = {
     ".self_attn.ssm.A_log": ".self_attn.attn.ssm.A",
     ".self_attn.ssm.": ".self_attn.attn.ssm.",
 }
+
+# The SSM tensors that stay fp32 whatever the checkpoint's dtype (the converter writes them so; the kernels read them
+# in fp32): the decay rates' log and the skip.
+FP32_TENSORS = (".A_log", ".D")
 
 
 def a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:

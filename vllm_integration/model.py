@@ -3,6 +3,7 @@ the SSM history branch, sharing one input and one `o_proj`). Loads a Transformer
 `scripts/convert_to_vllm.py` writes (projections fused, one dtype), through vLLM's `AutoWeightsLoader` with the
 names of layout.py."""
 
+import functools
 from collections.abc import Iterable
 from itertools import islice
 
@@ -23,7 +24,6 @@ from vllm.model_executor.layers.linear import (
     RowParallelLinear,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA, SupportsPP
@@ -42,7 +42,7 @@ from modeling.ops import rms_normalize_heads
 
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
 from .layout import SSM_RENAMES, STACKED_PROJECTIONS
-from .ssm import HybridSSMSpec, hybrid_state_dtypes, hybrid_state_shapes
+from .history import history_branch_class
 from .upstream_fixes import rewind_cpu_generators_of_discarded_samples, skip_rows_without_adapter_in_cpu_lora_ops
 
 
@@ -90,8 +90,9 @@ class HybridAttention(nn.Module):
             bias=config.attention_bias,
             prefix=f"{prefix}.o_proj",
         )
+        history_branch = history_branch_class(config)
         self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.ssm_intermediate_size] * 2, bias=False, prefix=f"{prefix}.in_proj"
+            config.hidden_size, history_branch.in_proj_sizes(config), bias=False, prefix=f"{prefix}.in_proj"
         )
         # Each rank's partial sums over its channels, reduce-scattered in forward: each rank receives the summed
         # columns of its own heads, which is all its o_proj input needs.
@@ -120,7 +121,7 @@ class HybridAttention(nn.Module):
             self.head_dim,
             self.head_dim**-0.5,
             self.num_kv_heads,
-            ssm=HybridSSMSpec.from_config(config),
+            make_history_branch=functools.partial(history_branch, config, vllm_config.cache_config),
             sliding_window=config.sliding_window if layer_type == "sliding_attention" else None,
             max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             cache_config=vllm_config.cache_config,
@@ -130,8 +131,8 @@ class HybridAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states)[0].split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        xz = self.in_proj(hidden_states)[0]  # [T, 2E/tp]: xs | z
-        attn_output, ssm_output = self.attn(q, k, v, xz)
+        in_proj_output = self.in_proj(hidden_states)[0]  # [T, sum(in_proj_sizes) / tp], e.g. xs | z
+        attn_output, ssm_output = self.attn(q, k, v, in_proj_output)
         ssm_output = self.out_proj(ssm_output)[0]  # [T, H*D] partial sums over this rank's channels
         if self.tp_size > 1:
             ssm_output = tensor_model_parallel_reduce_scatter(ssm_output, dim=-1)  # [T, H*D/tp]: this rank's heads
@@ -254,23 +255,16 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Suppor
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
         config = vllm_config.model_config.hf_config
-        return hybrid_state_shapes(
-            vllm_config.parallel_config.tensor_parallel_size,
-            config.ssm_intermediate_size,
-            config.ssm_state_size,
-            config.ssm_conv_kernel_size,
-        )
+        return history_branch_class(config).state_shapes(config, vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, ...]:
-        cache_config = vllm_config.cache_config
-        return hybrid_state_dtypes(
-            vllm_config.model_config.dtype, cache_config.mamba_cache_dtype, cache_config.mamba_ssm_cache_dtype
-        )
+        history_branch = history_branch_class(vllm_config.model_config.hf_config)
+        return history_branch.state_dtypes(vllm_config.model_config.dtype, vllm_config.cache_config)
 
-    @classmethod
-    def get_mamba_state_copy_func(cls):
-        return MambaStateCopyFuncCalculator.mamba1_state_copy_func()
+    def get_mamba_state_copy_func(self):
+        # vLLM's model runners call this on the built model, whose config names the branch kind.
+        return history_branch_class(self.config).state_copy_func()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -284,10 +278,10 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Suppor
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ["lm_head."] if self.config.tie_word_embeddings else None
         loader = AutoWeightsLoader(self, skip_prefixes=skip)
-        return loader.load_weights(_refuse_precomputed_a(weights), mapper=self.hf_to_vllm_mapper)
+        return loader.load_weights(_reject_precomputed_a(weights), mapper=self.hf_to_vllm_mapper)
 
 
-def _refuse_precomputed_a(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+def _reject_precomputed_a(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
     """Checkpoints hold A_log; a tensor named A is A = -exp(A_log) already (an older converter's output), which A's
     loader would transform again."""
     for name, tensor in weights:

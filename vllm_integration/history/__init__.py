@@ -1,0 +1,35 @@
+"""The history branch as vLLM serves it, one kind per `config.ssm_type` (the Transformers side: modeling/history).
+
+A branch kind is a class, owned per layer by `HybridAttentionLayer` (under the prefix `{attention prefix}.ssm`), that
+is a vLLM Mamba-style layer (`MambaBase`: its state spec, dtype and metadata backend) and provides:
+
+    Branch(config, cache_config, prefix)        its stateful parameters, loaded under the checkpoint's names
+                                                (layout.SSM_RENAMES)
+    Branch.in_proj_sizes(config)                the parts of `self_attn.in_proj`'s output it reads, in order
+    Branch.state_shapes(config, tp_size)        per-slot state shapes, dtypes and vLLM's copy function, for the
+    Branch.state_dtypes(model_dtype, cache_config)  model's classmethods (vLLM asks them before building layers)
+    Branch.state_copy_func()
+    branch.local_size                           its output width on this rank (out_proj's input)
+    branch.forward(in_proj_output, output, metadata, ops, max_prefill_len)
+                                                the whole branch over a packed batch (decodes first), from and into
+                                                each request's state slots, written into `output`
+    Branch.reference_ops / Branch.triton_ops(fused_decode_attention)
+                                                its ops on the PyTorch references, or on the Triton kernels with its
+                                                decode step fused with the decodes' window attention
+
+A new kind is an op folder in modeling/ops, one file here and one in modeling/history, and a line in each registry.
+"""
+
+from configuration import HybridConfig
+
+from .mamba1 import Mamba1Branch
+from .split import token_split
+
+HISTORY_BRANCHES = {"mamba1": Mamba1Branch}
+
+
+def history_branch_class(config: HybridConfig) -> type[Mamba1Branch]:
+    return HISTORY_BRANCHES[config.ssm_type]
+
+
+__all__ = ["HISTORY_BRANCHES", "Mamba1Branch", "history_branch_class", "token_split"]
