@@ -492,12 +492,10 @@ def bench_attention(args) -> list[Row]:
 
 def bench_decode(args) -> list[Row]:
     """One decode step of a batch: window attention over the paged KV and the SSM state update. The fused kernel
-    (one launch) against the same work in separate launches (ours, and vLLM's unified_attention +
-    selective_state_update where vLLM is importable)."""
-    from modeling.ops.selective_scan.interface import selective_state_update
+    (one launch) against the same work in separate launches of vLLM's unified_attention and selective_state_update,
+    where vLLM is importable."""
     from vllm_integration.ops import hybrid_decode_ref
     from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
-    from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     batch, window, context = args.decode_batch, args.window, args.decode_context
     H, KVH, D, block_size = args.heads, args.kv_heads, args.head_dim, args.block_size
@@ -516,17 +514,11 @@ def bench_decode(args) -> list[Row]:
     A = -torch.exp(randn(E, N, dtype=torch.float32, scale=0.5))
     D_skip, dt_bias = randn(E, dtype=torch.float32), randn(E, dtype=torch.float32, scale=0.5) - 3
     attn_out, ssm_out = torch.full_like(query, float("nan")), torch.full_like(u, float("nan"))
-    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)
     ssm_args = (A, B, C, D_skip, z, dt_bias)
 
     def fused(state):
         hybrid_decode(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out,
                       state, u, dt, *ssm_args, state_indices, ssm_out)  # fmt: skip
-
-    def separate(state):
-        paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
-                               window, out=attn_out, max_query_len=1, max_seq_len=context)  # fmt: skip
-        selective_state_update(state, u, dt, *ssm_args, state_indices, out=ssm_out)
 
     state = ssm_state.clone()
     fused(state)
@@ -544,10 +536,9 @@ def bench_decode(args) -> list[Row]:
     rows = [
         Row("decode", "Triton fused (1 launch)", shape, median_ms(lambda: fused(work)), bytes=total,
             rel_err=max(errs.values()), extra=errs),
-        Row("decode", "Triton attention + state update (2 launches)", shape, median_ms(lambda: separate(work)),
-            bytes=total),
     ]  # fmt: skip
     if (vllm := vllm_ops()) is not None:
+        query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)  # one query each
         seg = 16
         segm_out = torch.empty(seg, H, 16, triton.next_power_of_2(D), dtype=torch.float32, device=DEVICE)
         segm_max = torch.empty(seg, H, 16, dtype=torch.float32, device=DEVICE)

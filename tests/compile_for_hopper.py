@@ -88,8 +88,8 @@ def serving_ssm_kernels():
 
 
 def serving_attention_kernels():
-    """The paged window attention (a mixed batch, and a decode batch split along the keys) and the fused decode
-    (split too), bf16 queries over a bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
+    """The paged window attention (a mixed batch) and the fused decode (split along the keys), bf16 queries over a
+    bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
     from paged_cache import paged_kv_cache
 
     from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
@@ -100,17 +100,16 @@ def serving_attention_kernels():
     scales = {"k_scale": torch.tensor(0.5), "v_scale": torch.tensor(2.0)}
     for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         fp8 = scales if cache_dtype == torch.float8_e4m3fn else {}
-        for q_lens, splits in (([1, 1, 30], 1), ([1, 1, 1], 2)):  # mixed; decode-only, split-K (merge kernel)
-            seq_lens = [50, 9, 30]
-            key_cache, value_cache, table = paged_kv_cache(
-                seq_lens, window, page, kv_heads, head_dim, cache_dtype, "triton", g, q_lens=q_lens
-            )
-            query = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16)
-            starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            paged_window_attention(
-                query, key_cache, value_cache, table, starts, torch.tensor(seq_lens, dtype=torch.int32),
-                head_dim**-0.5, window, max_query_len=max(q_lens), max_seq_len=50, num_splits=splits, **fp8,
-            )  # fmt: skip
+        seq_lens, q_lens = [50, 9, 30], [1, 1, 30]
+        key_cache, value_cache, table = paged_kv_cache(
+            seq_lens, window, page, kv_heads, head_dim, cache_dtype, "triton", g, q_lens=q_lens
+        )
+        query = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16)
+        starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        paged_window_attention(
+            query, key_cache, value_cache, table, starts, torch.tensor(seq_lens, dtype=torch.int32), head_dim**-0.5,
+            window, max_query_len=max(q_lens), max_seq_len=50, **fp8,
+        )  # fmt: skip
         batch, channels, state = 3, 64, 16
         key_cache, value_cache, table = paged_kv_cache([50, 9, 30], window, page, kv_heads, head_dim, cache_dtype,
                                                        "triton", g)  # fmt: skip

@@ -91,46 +91,24 @@ def test_mixed_batch_matches_reference(attention, seqs, heads, kv_heads, head_di
     check(attention, batch, window)
 
 
-TILINGS = [  # block_q, block_keys, num_splits: many query blocks and key tiles, so every mask phase runs
-    (1, 16, 1),
-    (4, 16, 1),
-    (2, 32, 3),
-    (16, 16, 2),
-]
+TILINGS = [(1, 16), (4, 16), (2, 32), (16, 16)]  # block_q, block_keys: many query blocks and key tiles
 
 
-@pytest.mark.parametrize(
-    "block_q,block_keys,num_splits", TILINGS, ids=[f"BQ{c[0]}-BK{c[1]}-split{c[2]}" for c in TILINGS]
-)
+@pytest.mark.parametrize("block_q,block_keys", TILINGS, ids=[f"BQ{c[0]}-BK{c[1]}" for c in TILINGS])
 @pytest.mark.parametrize("window", [6, 19, None], ids=lambda w: f"W{w}")
-def test_tilings_match_reference(attention, block_q, block_keys, num_splits, window):
+def test_tilings_match_reference(attention, block_q, block_keys, window):
     seqs = [(37, 13), (23, 1), (0, 0), (20, 20), (33, 2)]
     batch = make_batch(seqs, 4, 2, 16, 16, window, torch.float32, pad_tokens=2, seed=1)
-    check(attention, batch, window, block_q=block_q, block_keys=block_keys, num_splits=num_splits)
+    check(attention, batch, window, block_q=block_q, block_keys=block_keys)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4], ids=lambda n: f"split{n}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
-def test_decode_batch_reads_only_the_window(attention, num_splits, dtype):
-    """Decode launch (max_query_len=1): long contexts, short window; everything before the window is NaN/freed."""
-    seqs = [(70, 1), (16, 1), (95, 1), (1, 1), (0, 0)]
-    batch = make_batch(seqs, 8, 2, 32, 16, 24, dtype, pad_tokens=1, seed=2)
-    check(attention, batch, 24, max_query_len=1, max_seq_len=95, num_splits=num_splits)
-
-
-@pytest.mark.parametrize("decode", [False, True], ids=["mixed", "decode"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
-def test_fp8_cache_matches_reference(attention, dtype, decode):
+def test_fp8_cache_matches_reference(attention, dtype):
     """vLLM's fp8 KV cache (e4m3 values of K / k_scale and V / v_scale): the kernel reads the values the reference
     dequantizes, with scales far from 1 (a kernel that skipped either would be off by their ratio)."""
     scales = {"k_scale": torch.tensor(0.37, device=DEVICE), "v_scale": torch.tensor(1.9, device=DEVICE)}
-    if decode:
-        batch = make_batch([(70, 1), (16, 1), (1, 1), (0, 0)], 8, 2, 32, 16, 24, dtype, pad_tokens=1, seed=4,
-                           cache_dtype=torch.float8_e4m3fn)  # fmt: skip
-        check(attention, batch, 24, max_query_len=1, max_seq_len=70, num_splits=2, **scales)
-    else:
-        batch = make_batch(MIXED, 4, 2, 32, 16, 11, dtype, pad_tokens=2, seed=4, cache_dtype=torch.float8_e4m3fn)
-        check(attention, batch, 11, **scales)
+    batch = make_batch(MIXED, 4, 2, 32, 16, 11, dtype, pad_tokens=2, seed=4, cache_dtype=torch.float8_e4m3fn)
+    check(attention, batch, 11, **scales)
 
 
 def test_permuted_and_shared_tables_and_int64_metadata(attention):

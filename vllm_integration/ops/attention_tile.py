@@ -1,10 +1,10 @@
-"""The two steps of window attention over vLLM's paged KV cache that both attention kernels are built from, the paged
-attention of prefill, chunked prefill and decode rows (paged_attention/kernel.py) and the fused decode
-(hybrid_decode/kernel.py):
+"""The steps of window attention over vLLM's paged KV cache that the attention kernels are built from, the paged
+attention of the prefills (paged_attention/kernel.py) and the fused decode (hybrid_decode/kernel.py):
 
-    attend_key_tile   one online-softmax step: a tile of keys and values read through the block table, the scores
-                      masked by the window and causality, the rows' running state updated
-    merge_partial     one split-K merge step: a split's partial state folded into the running one
+    attend_key_tile   one online-softmax step (both kernels): a tile of keys and values read through the block table,
+                      the scores masked by the window and causality, the rows' running state updated
+    merge_partial     one split-K merge step (the fused decode's split-K): a split's partial state folded into the
+                      running one
 
 A row's state is (m, l, acc): m the largest score seen, l the sum of exp2(score - m) and acc the sum of
 exp2(score - m) * value, unnormalised (the output is acc / l). Scores are in log2 units (the callers fold log2(e) into

@@ -1,5 +1,5 @@
-"""`paged_window_attention`: the launch policy, argument checks and launch of the paged window attention kernels
-(kernel.py); same signature as `paged_window_attention_ref` (reference.py). Forward only (serving).
+"""`paged_window_attention`: the launch policy, argument checks and launch of the paged window attention kernel
+(kernel.py); same signature as `paged_window_attention_ref` (reference.py). Forward only (serving's prefills).
 """
 
 import functools
@@ -8,49 +8,24 @@ import math
 import torch
 import triton
 
-from modeling.ops.triton_utils import (
-    NO_WINDOW,
-    check_index,
-    check_table,
-    check_tokens,
-    num_sms,
-    window_or_unbounded,
-)
+from modeling.ops.triton_utils import check_index, check_table, check_tokens, window_or_unbounded
 
-from .kernel import _merge_splits_kernel, _paged_window_attention_kernel
+from .kernel import _paged_window_attention_kernel
 
 
 @functools.cache
-def _pick_blocks(
-    dtype: torch.dtype,
-    head_dim: int,
-    group: int,
-    num_seqs: int,
-    num_kv_heads: int,
-    window: int,
-    max_query_len: int | None,
-    max_seq_len: int | None,
-    device: torch.device,
-) -> dict[str, int]:
-    """Default launch configuration (H200-minded): block_q, block_keys, num_splits, num_warps, num_stages.
+def _pick_blocks(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, int]:
+    """Default launch configuration (H200-minded): block_q, block_keys, num_warps, num_stages.
 
-    Decode batches (max_query_len == 1) take one query per program with its GQA heads as the rows, 64 keys per tile,
-    and split the keys when sequences x kv heads would leave the GPU half idle. Everything else takes query blocks of
-    128 or 256 rows (fewer when the head dim is large), flash-attention style: with GQA packing (4 heads or more per
-    kv head) 256 rows x 64 keys is the fastest tile at D = 128; without it 128 rows stays the default. fp32 takes
-    smaller tiles (its tf32x3 products need three times the registers). The prefill tiles do not depend on the query
-    lengths, so one compilation serves every prefill batch, vLLM's warm-up batch of two-token prompts included: tiles
-    sized to the longest query would compile a variant per power of two while serving, each a multi-second stall,
-    where fixed tiles only leave rows masked in batches of short queries (short batches anyway).
+    Query blocks of 128 or 256 rows (fewer when the head dim is large), flash-attention style: with GQA packing
+    (4 heads or more per kv head) 256 rows x 64 keys is the fastest tile at D = 128; without it 128 rows stays the
+    default. fp32 takes smaller tiles (its tf32x3 products need three times the registers). The tiles do not depend
+    on the query lengths, so one compilation serves every prefill batch, vLLM's warm-up batch of two-token prompts
+    included: tiles sized to the longest query would compile a variant per power of two while serving, each a
+    multi-second stall, where fixed tiles only leave rows masked in batches of short queries (short batches anyway).
     """
     block_d = triton.next_power_of_2(head_dim)
     group_pad = triton.next_power_of_2(group)
-    if max_query_len == 1:
-        block_keys = 64 if block_d <= 128 else 32
-        keys = min(window, max_seq_len or NO_WINDOW)  # longest key range of one query
-        max_splits = 16 if keys == NO_WINDOW else max(1, min(16, triton.cdiv(keys, 2 * block_keys)))
-        num_splits = min(max_splits, triton.cdiv(2 * num_sms(device), num_seqs * num_kv_heads))
-        return {"block_q": 1, "block_keys": block_keys, "num_splits": num_splits, "num_warps": 4, "num_stages": 3}
     if dtype == torch.float32:
         block_m, block_keys, num_stages = (64 if block_d <= 64 else 32), (32 if block_d <= 128 else 16), 2
     else:
@@ -58,13 +33,7 @@ def _pick_blocks(
         block_m, block_keys, num_stages = (block_m, 64, 3) if block_d <= 128 else (64, 32, 3)
     block_q = max(1, block_m // group_pad)
     num_warps = 8 if block_q * group_pad >= 128 or block_d >= 256 else 4
-    return {
-        "block_q": block_q,
-        "block_keys": block_keys,
-        "num_splits": 1,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-    }
+    return {"block_q": block_q, "block_keys": block_keys, "num_warps": num_warps, "num_stages": num_stages}
 
 
 # vLLM's fp8 KV cache (`kv_cache_dtype="fp8"` / "fp8_e4m3" on CUDA): values stored as x / scale, one fp32 scale per
@@ -118,7 +87,6 @@ def paged_window_attention(
     max_seq_len: int | None = None,
     block_q: int | None = None,
     block_keys: int | None = None,
-    num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
@@ -135,13 +103,13 @@ def paged_window_attention(
         out: [T, H, D] in query's dtype, head dim contiguous; allocated when None.
         k_scale, v_scale: an fp8 cache's scales (it holds K / k_scale and V / v_scale), one-element fp32 tensors read
             on the device (CUDA-graph safe); None: 1.
-        max_query_len, max_seq_len: host-side bounds (vLLM's metadata carries them) that only steer the default
-            configuration: max_query_len == 1 selects the decode configuration (and split-K).
-        block_q, block_keys, num_splits, num_warps, num_stages: launch configuration overrides (`_pick_blocks` fills
-            the rest): queries per program, keys per tile, programs per query block over its keys.
+        max_query_len, max_seq_len: host-side bounds from vLLM's metadata, unused here: FlashAttention 3 needs them
+            (`flash_paged_window_attention`, flash.py), and the serving prefill makes one call to either.
+        block_q, block_keys, num_warps, num_stages: launch configuration overrides (`_pick_blocks` fills the rest):
+            queries per program, keys per tile.
 
     Returns out: attention rows for every query; rows past query_start_loc[S] (CUDA-graph padding) are zeros.
-    No host synchronisation: safe to capture in a CUDA graph (the split-K workspace is allocated per call).
+    No host synchronisation: safe to capture in a CUDA graph.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
@@ -161,18 +129,10 @@ def paged_window_attention(
 
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    config = _pick_blocks(
-        query.dtype, head_dim, group, num_seqs, num_kv_heads, window, max_query_len, max_seq_len, query.device
-    )
-    overrides = {
-        "block_q": block_q,
-        "block_keys": block_keys,
-        "num_splits": num_splits,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-    }
+    config = _pick_blocks(query.dtype, head_dim, group)
+    overrides = {"block_q": block_q, "block_keys": block_keys, "num_warps": num_warps, "num_stages": num_stages}
     config.update({key: value for key, value in overrides.items() if value is not None})
-    block_q, block_keys, num_splits = config["block_q"], config["block_keys"], config["num_splits"]
+    block_q, block_keys = config["block_q"], config["block_keys"]
     if not (block_q >= 1 and block_q & (block_q - 1) == 0):
         raise ValueError(f"block_q: expected a power of two, got {block_q}")
     if not (block_keys >= 16 and block_keys & (block_keys - 1) == 0):
@@ -182,17 +142,11 @@ def paged_window_attention(
     block_m = max(16, block_q * group_pad)  # tl.dot needs 16 rows
 
     # Query blocks: sequence i's start at query_start_loc[i] // block_q + i, so T // block_q + S bound them all.
-    num_qblocks = num_tokens if block_q == 1 else num_tokens // block_q + num_seqs
-    if num_splits > 1:
-        part_acc = query.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
-        part_m = query.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
-        part_l = torch.empty_like(part_m)
-    else:
-        part_acc = part_m = part_l = out  # unused
-    _paged_window_attention_kernel[(num_qblocks, num_kv_heads, num_splits)](
-        *(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out, part_acc, part_m, part_l),
+    num_qblocks = num_tokens // block_q + num_seqs
+    _paged_window_attention_kernel[(num_qblocks, num_kv_heads)](
+        *(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, out),
         *(k_scale, v_scale),
-        *(num_seqs, num_tokens, num_heads, window),
+        *(num_seqs, num_tokens, window),
         scale * math.log2(math.e),  # softmax in base 2
         *query.stride()[:2],
         *key_cache.stride(),
@@ -207,18 +161,7 @@ def paged_window_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_KEYS=block_keys,
-        NUM_SPLITS=num_splits,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            *(part_acc, part_m, part_l, query_start_loc, out),
-            *(num_seqs, num_heads),
-            *out.stride()[:2],
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            num_warps=4 if block_d >= 128 else 1,
-        )
     return out

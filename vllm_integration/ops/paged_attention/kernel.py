@@ -1,15 +1,13 @@
-"""Triton kernels of the paged window attention (launcher and launch policy in interface.py, reference in
-reference.py): one program per (query block, kv head[, split]) and the merge of split-K partials.
+"""Triton kernel of the paged window attention (launcher and launch policy in interface.py, reference in
+reference.py): one program per (query block, kv head).
 
 Work split: a query block holds BLOCK_Q consecutive queries of one sequence times the G = H / KVH query heads that
 share the kv head, packed into the BLOCK_M rows of the score tile (row m = query m // GROUP_PAD, head m % GROUP_PAD),
-so each K/V tile is read once per kv head and feeds every head of its group; decode (BLOCK_Q = 1) is the same kernel
-with the G heads as the rows. The program walks the keys [first key of its earliest query's window, its last query]
-in tiles of BLOCK_KEYS (`attend_key_tile`, attention_tile.py): nothing before the window is read, so a decode reads
-~W keys whatever the context length, and blocks vLLM freed behind the window are never touched. Only the tiles at the
-window edge and at the causal diagonal apply a mask; the tiles between are visible to every row. Split-K
-(NUM_SPLITS > 1) cuts the key tiles of a query block into NUM_SPLITS runs whose partial states `_merge_splits_kernel`
-combines (`merge_partial`).
+so each K/V tile is read once per kv head and feeds every head of its group. The program walks the keys [first key
+of its earliest query's window, its last query] in tiles of BLOCK_KEYS (`attend_key_tile`, attention_tile.py):
+nothing before the window is read, so a query block reads about W + BLOCK_Q keys whatever the context length, and
+blocks vLLM freed behind the window are never touched. Only the tiles at the window edge and at the causal diagonal
+apply a mask; the tiles between are visible to every row.
 
 Each key's physical block is looked up per key, so BLOCK_KEYS is independent of the cache's page size, and the caches
 may have any strides: vLLM's Triton backend hands out views of one tensor [NB, KVH, P, 2D]
@@ -19,7 +17,7 @@ may have any strides: vLLM's Triton backend hands out views of one tensor [NB, K
 import triton
 import triton.language as tl
 
-from ..attention_tile import attend_key_tile, merge_partial, query_for_products
+from ..attention_tile import attend_key_tile, query_for_products
 
 
 # One compilation for every batch shape. Serving passes the prefill rows' block table and lengths as slices past the
@@ -36,14 +34,10 @@ def _paged_window_attention_kernel(
     p_query_start_loc,
     p_seq_lens,
     p_o,
-    p_part_acc,
-    p_part_m,
-    p_part_l,
     p_k_scale,
     p_v_scale,
     num_seqs,
     num_tokens,
-    num_heads,
     window,
     qk_scale,
     s_q_tok,
@@ -67,23 +61,19 @@ def _paged_window_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
-    """Kernel of `paged_window_attention` (reference: `paged_window_attention_ref`). Grid (query blocks, KVH,
-    NUM_SPLITS). Query blocks are numbered per sequence: sequence i's first block is
-    query_start_loc[i] // BLOCK_Q + i (an upper bound on the blocks before it, so the grid needs no device lengths),
-    or query_start_loc[i] when BLOCK_Q == 1. With NUM_SPLITS == 1 it writes out [T, H, D] (zeros for rows past
-    query_start_loc[S]); otherwise partial states [T, H, NUM_SPLITS] for `_merge_splits_kernel`. The head dim of
-    q and out is contiguous. p_k_scale, p_v_scale: an fp8 cache's scales (one fp32 each), None for other caches."""
-    i_blk, i_kvh, i_split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Kernel of `paged_window_attention` (reference: `paged_window_attention_ref`). Grid (query blocks, KVH).
+    Query blocks are numbered per sequence: sequence i's first block is query_start_loc[i] // BLOCK_Q + i (an upper
+    bound on the blocks before it, so the grid needs no device lengths). Writes out [T, H, D], zeros for rows past
+    query_start_loc[S]. The head dim of q and out is contiguous. p_k_scale, p_v_scale: an fp8 cache's scales (one
+    fp32 each), None for other caches."""
+    i_blk, i_kvh = tl.program_id(0), tl.program_id(1)
 
     # 1. Sequence of this query block: the last one whose first block is <= i_blk (binary search).
     i_lo, i_hi = 0, num_seqs
     while i_lo + 1 < i_hi:
         i_mid = (i_lo + i_hi) // 2
-        first_blk_mid = tl.load(p_query_start_loc + i_mid)
-        if BLOCK_Q > 1:
-            first_blk_mid = first_blk_mid // BLOCK_Q + i_mid
+        first_blk_mid = tl.load(p_query_start_loc + i_mid) // BLOCK_Q + i_mid
         if first_blk_mid <= i_blk:
             i_lo = i_mid
         else:
@@ -91,9 +81,7 @@ def _paged_window_attention_kernel(
     i_seq = i_lo
     bos, eos = tl.load(p_query_start_loc + i_seq), tl.load(p_query_start_loc + i_seq + 1)
     q_len = eos - bos
-    i_qblk = i_blk - bos  # query block within the sequence
-    if BLOCK_Q > 1:
-        i_qblk = i_blk - (bos // BLOCK_Q + i_seq)
+    i_qblk = i_blk - (bos // BLOCK_Q + i_seq)  # query block within the sequence
 
     # 2. Rows: BLOCK_Q queries x GROUP_PAD heads of kv head i_kvh (padding heads and queries masked out).
     o_m = tl.arange(0, BLOCK_M)
@@ -108,9 +96,8 @@ def _paged_window_attention_kernel(
     m_pad_row = m_rowslot & (o_qi >= q_len) & (o_tok < num_tokens) & (i_seq == num_seqs - 1)
     p_o_rows = p_o + (o_tok * s_o_tok + o_head * s_o_head)[:, None] + o_d[None, :]
     if i_qblk * BLOCK_Q >= q_len:
-        if NUM_SPLITS == 1:
-            b_zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            tl.store(p_o_rows, b_zero.to(p_o.dtype.element_ty), mask=m_pad_row[:, None] & m_d[None, :])
+        b_zero = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        tl.store(p_o_rows, b_zero.to(p_o.dtype.element_ty), mask=m_pad_row[:, None] & m_d[None, :])
         return
 
     # 3. Key range: the earliest query's window start .. the last query, cut into tiles of BLOCK_KEYS keys.
@@ -125,9 +112,6 @@ def _paged_window_attention_kernel(
     # [j_causal, num_tiles) keys causality hides from some row (those > q_first); the tiles between need no mask.
     j_window = tl.minimum(tl.cdiv(tl.maximum(q_last - window + 1 - k_first, 0), BLOCK_KEYS), num_tiles)
     j_causal = tl.maximum((q_first - k_first + 1) // BLOCK_KEYS, j_window)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    j_begin = i_split * tiles_per_split
-    j_end = tl.minimum(j_begin + tiles_per_split, num_tiles)
 
     # 4. Online softmax over the key tiles.
     p_q_rows = p_q + (o_tok * s_q_tok + o_head * s_q_head)[:, None] + o_d[None, :]
@@ -141,73 +125,28 @@ def _paged_window_attention_kernel(
     p_table_row = p_block_table + i_seq.to(tl.int64) * s_table_seq
     if p_k_scale is not None:  # an fp8 cache holds K / k_scale
         qk_scale = qk_scale * tl.load(p_k_scale)
-    for j in tl.range(j_begin, tl.minimum(j_end, j_window)):
+    for j in tl.range(0, j_window):
         b_m, b_l, b_acc = attend_key_tile(
             b_q, b_m, b_l, b_acc, k_first + j * BLOCK_KEYS, None, q_last, o_qpos, window, qk_scale,
             p_k_head, p_v_head, p_table_row, s_k_block, s_k_tok, s_k_d, s_v_block, s_v_tok, s_v_d,
             HEAD_DIM, BLOCK_D, BLOCK_KEYS, PAGE_SIZE, MASKED=True,
         )  # fmt: skip
-    for j in tl.range(tl.maximum(j_begin, j_window), tl.minimum(j_end, j_causal)):
+    for j in tl.range(j_window, j_causal):
         b_m, b_l, b_acc = attend_key_tile(
             b_q, b_m, b_l, b_acc, k_first + j * BLOCK_KEYS, None, q_last, o_qpos, window, qk_scale,
             p_k_head, p_v_head, p_table_row, s_k_block, s_k_tok, s_k_d, s_v_block, s_v_tok, s_v_d,
             HEAD_DIM, BLOCK_D, BLOCK_KEYS, PAGE_SIZE, MASKED=False,
         )  # fmt: skip
-    for j in tl.range(tl.maximum(j_begin, j_causal), j_end):
+    for j in tl.range(j_causal, num_tiles):
         b_m, b_l, b_acc = attend_key_tile(
             b_q, b_m, b_l, b_acc, k_first + j * BLOCK_KEYS, None, q_last, o_qpos, window, qk_scale,
             p_k_head, p_v_head, p_table_row, s_k_block, s_k_tok, s_k_d, s_v_block, s_v_tok, s_v_d,
             HEAD_DIM, BLOCK_D, BLOCK_KEYS, PAGE_SIZE, MASKED=True,
         )  # fmt: skip
 
-    if p_v_scale is not None:  # an fp8 cache holds V / v_scale (the partial states are linear in acc)
+    if p_v_scale is not None:  # an fp8 cache holds V / v_scale
         b_acc = b_acc * tl.load(p_v_scale)
 
-    # 5. Output rows, or this split's partial state (a split without keys for a row leaves m = -inf, l = 0 there).
-    if NUM_SPLITS == 1:
-        b_o = tl.where(m_row[:, None], b_acc / b_l[:, None], 0.0)
-        tl.store(p_o_rows, b_o.to(p_o.dtype.element_ty), mask=(m_row | m_pad_row)[:, None] & m_d[None, :])
-    else:
-        o_part = (o_tok * num_heads + o_head) * NUM_SPLITS + i_split  # [BLOCK_M] rows of [T, H, NUM_SPLITS]
-        p_part_rows = p_part_acc + o_part[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(p_part_rows, b_acc, mask=m_row[:, None] & m_d[None, :])
-        tl.store(p_part_m + o_part, b_m, mask=m_row)
-        tl.store(p_part_l + o_part, b_l, mask=m_row)
-
-
-@triton.jit
-def _merge_splits_kernel(
-    p_part_acc,
-    p_part_m,
-    p_part_l,
-    p_query_start_loc,
-    p_o,
-    num_seqs,
-    num_heads,
-    s_o_tok,
-    s_o_head,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """Combines the NUM_SPLITS partial states of `_paged_window_attention_kernel` ([T, H, NUM_SPLITS, D] unnormalised
-    outputs, [T, H, NUM_SPLITS] maxima (log2 units) and sums) into out [T, H, D]. Grid (T, H); tokens past
-    query_start_loc[S] (CUDA-graph padding) get zeros."""
-    i_tok, i_head = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    p_o_row = p_o + i_tok * s_o_tok + i_head * s_o_head + o_d
-    if i_tok >= tl.load(p_query_start_loc + num_seqs):
-        tl.store(p_o_row, tl.zeros([BLOCK_D], dtype=tl.float32).to(p_o.dtype.element_ty), mask=m_d)
-        return
-    o_part = (i_tok * num_heads + i_head) * NUM_SPLITS  # the row's split 0 in [T, H, NUM_SPLITS]
-    b_m = tl.load(p_part_m + o_part)
-    b_l = tl.load(p_part_l + o_part)
-    b_acc = tl.load(p_part_acc + o_part * HEAD_DIM + o_d, mask=m_d, other=0.0)
-    for i_split in tl.static_range(1, NUM_SPLITS):
-        b_m, b_l, b_acc = merge_partial(
-            b_m, b_l, b_acc, tl.load(p_part_m + o_part + i_split), tl.load(p_part_l + o_part + i_split),
-            tl.load(p_part_acc + (o_part + i_split) * HEAD_DIM + o_d, mask=m_d, other=0.0),
-        )  # fmt: skip
-    # Some split saw a visible key (the query itself), so l > 0.
-    tl.store(p_o_row, (b_acc / b_l).to(p_o.dtype.element_ty), mask=m_d)
+    # 5. Output rows (zeros for the CUDA-graph padding rows this block covers).
+    b_o = tl.where(m_row[:, None], b_acc / b_l[:, None], 0.0)
+    tl.store(p_o_rows, b_o.to(p_o.dtype.element_ty), mask=(m_row | m_pad_row)[:, None] & m_d[None, :])
