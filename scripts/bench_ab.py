@@ -2,7 +2,7 @@
 turn, each run a fresh process, in ABBA order round after round, so that whatever drifts during a lease (clocks,
 temperature, what ran before) falls on both alike. The other tree is any checkout, e.g. an older commit:
 
-    git archive REV modeling configuration scripts vllm_integration | tar -x -C outputs/base
+    git archive REV modeling configuration scripts tools vllm_integration | tar -x -C outputs/base
     python3 scripts/bench_ab.py --base outputs/base --rounds 3 --only conv,prefill,train --json $OUT/ab.json
     python3 scripts/bench_ab.py --base outputs/base --timer cudagraph --only conv
 

@@ -394,20 +394,14 @@ def bench_prefill(args) -> list[Row]:
     return rows
 
 
-def paged_kv(num_seqs, seq_lens, num_kv_heads, head_dim, block_size, extra_blocks=0):
-    """A vLLM Triton-layout KV cache [num_blocks, KVH, block_size, 2D] with random contents, its [num_blocks,
-    block_size, KVH, D] key and value views, and a block table that scatters each sequence over random blocks."""
-    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + extra_blocks + 1
-    kv_cache = randn(num_blocks, num_kv_heads, block_size, 2 * head_dim)
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(head_dim, dim=-1)
-    perm = torch.randperm(num_blocks - 1, device=DEVICE).to(torch.int32) + 1
-    block_table = torch.zeros(num_seqs, max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
-    start = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_table[i, :n] = perm[start : start + n]
-        start += n
-    return kv_cache, key_cache, value_cache, block_table
+def paged_kv(seq_lens, num_kv_heads, head_dim, block_size):
+    """bf16 key and value caches [num_blocks, block_size, KVH, D], views of vLLM's Triton layout, with random contents
+    everywhere (no slot poisoned, no block freed), and a block table [S, MB] that scatters each sequence over random
+    blocks (`paged_kv_cache`, the kernel tests' builder)."""
+    from tools.paged_cache import paged_kv_cache
+
+    return paged_kv_cache(seq_lens, None, block_size, num_kv_heads, head_dim, torch.bfloat16, "triton",
+                          torch.Generator(device=DEVICE).manual_seed(0), device=DEVICE, poison=False)  # fmt: skip
 
 
 def gather_kv(cache, block_table, seq_len, row):
@@ -435,7 +429,7 @@ def bench_attention(args) -> list[Row]:
     total = num_seqs * seq_len
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device=DEVICE)
     query_start_loc = torch.arange(0, total + 1, seq_len, dtype=torch.int32, device=DEVICE)
-    _, key_cache, value_cache, block_table = paged_kv(num_seqs, [seq_len] * num_seqs, KVH, D, block_size)
+    key_cache, value_cache, block_table = paged_kv([seq_len] * num_seqs, KVH, D, block_size)
     query = randn(total, H, D)
     scale = D**-0.5
     out = torch.full_like(query, float("nan"))
@@ -503,7 +497,7 @@ def bench_decode(args) -> list[Row]:
     shape = f"batch {batch}, ctx~{context}, W={window}, {H}x{D} q, {KVH} kv, E={E}"
     gen = torch.Generator(device="cpu").manual_seed(0)
     seq_lens = torch.randint(context // 2, context + 1, (batch,), generator=gen).to(DEVICE, torch.int32)
-    _, key_cache, value_cache, block_table = paged_kv(batch, seq_lens.tolist(), KVH, D, block_size)
+    key_cache, value_cache, block_table = paged_kv(seq_lens.tolist(), KVH, D, block_size)
     query = randn(batch, H, D)
     scale = D**-0.5
     num_slots = 2 * batch + 1
@@ -703,7 +697,7 @@ def bench_sweeps(args) -> list[Row]:
 
     H, KVH, D, block_size, window = args.heads, args.kv_heads, args.head_dim, args.block_size, args.window
     num_seqs, attn_len = args.attn_seqs, args.attn_seq_len
-    _, key_cache, value_cache, block_table = paged_kv(num_seqs, [attn_len] * num_seqs, KVH, D, block_size)
+    key_cache, value_cache, block_table = paged_kv([attn_len] * num_seqs, KVH, D, block_size)
     query = randn(num_seqs * attn_len, H, D)
     seq_lens = torch.full((num_seqs,), attn_len, dtype=torch.int32, device=DEVICE)
     query_start_loc = torch.arange(0, num_seqs * attn_len + 1, attn_len, dtype=torch.int32, device=DEVICE)
@@ -718,7 +712,7 @@ def bench_sweeps(args) -> list[Row]:
 
     decode_batch, context, E = args.decode_batch, args.decode_context, args.serve_channels
     dec_lens = torch.full((decode_batch,), context, dtype=torch.int32, device=DEVICE)
-    _, key_cache, value_cache, block_table = paged_kv(decode_batch, [context] * decode_batch, KVH, D, block_size)
+    key_cache, value_cache, block_table = paged_kv([context] * decode_batch, KVH, D, block_size)
     q1, attn_out = randn(decode_batch, H, D), torch.empty(decode_batch, H, D, dtype=torch.bfloat16, device=DEVICE)
     state = randn(decode_batch, E, 16, dtype=torch.float32)
     idx = torch.arange(decode_batch, dtype=torch.int32, device=DEVICE)

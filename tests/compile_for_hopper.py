@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent / "vllm_ops")]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HOPPER = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(HOPPER)
@@ -90,8 +90,7 @@ def serving_ssm_kernels():
 def serving_attention_kernels():
     """The paged window attention (a mixed batch) and the fused decode (split along the keys), bf16 queries over a
     bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
-    from paged_cache import paged_kv_cache
-
+    from tools.paged_cache import paged_kv_cache
     from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
     from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
@@ -102,7 +101,7 @@ def serving_attention_kernels():
         fp8 = scales if cache_dtype == torch.float8_e4m3fn else {}
         seq_lens, q_lens = [50, 9, 30], [1, 1, 30]
         key_cache, value_cache, table = paged_kv_cache(
-            seq_lens, window, page, kv_heads, head_dim, cache_dtype, "triton", g, q_lens=q_lens
+            seq_lens, window, page, kv_heads, head_dim, cache_dtype, "triton", g, q_lens=q_lens, device="cpu"
         )
         query = torch.randn(sum(q_lens), heads, head_dim, dtype=torch.bfloat16)
         starts = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -111,8 +110,9 @@ def serving_attention_kernels():
             window, max_query_len=max(q_lens), max_seq_len=50, **fp8,
         )  # fmt: skip
         batch, channels, state = 3, 64, 16
-        key_cache, value_cache, table = paged_kv_cache([50, 9, 30], window, page, kv_heads, head_dim, cache_dtype,
-                                                       "triton", g)  # fmt: skip
+        key_cache, value_cache, table = paged_kv_cache(
+            [50, 9, 30], window, page, kv_heads, head_dim, cache_dtype, "triton", g, device="cpu"
+        )
         query = torch.randn(batch, heads, head_dim, dtype=torch.bfloat16)
         xz = torch.randn(batch, 2 * channels, dtype=torch.bfloat16)
         dbc = torch.randn(batch, 4 + 2 * state, dtype=torch.bfloat16)

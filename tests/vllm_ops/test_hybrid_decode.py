@@ -1,15 +1,15 @@
 """The decode kernels (the selective scan's `selective_state_update`: modeling/ops/selective_scan; the fused
 `hybrid_decode`: vllm_integration/ops/hybrid_decode) against their references, in Triton's interpreter on CPU
-machines; the paged KV caches are poisoned outside every request's window (paged_cache.py)."""
+machines; the paged KV caches are poisoned outside every request's window (tools/paged_cache.py)."""
 
 import importlib
 
 import pytest
 import torch
 from conftest import compiled_variants
-from paged_cache import DEVICE, paged_kv_cache
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_state_update_ref
+from tools.paged_cache import DEVICE, paged_kv_cache
 from vllm_integration.ops import hybrid_decode_ref, window_attention_decode_ref
 
 pytest.importorskip("triton")

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 from conftest import compiled_variants
-from paged_cache import DEVICE, paged_kv_cache
 
+from tools.paged_cache import DEVICE, paged_kv_cache
 from vllm_integration.ops import paged_window_attention_ref
 from vllm_integration.ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
 
