@@ -27,8 +27,10 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bisect_train_step import CONFIG as TRAIN_STEP_CONFIG, step_times_ms, training_step  # noqa: E402  (one probe)
-from modeling.ops.triton_utils import interpreter_bf16_dot  # noqa: E402
+from bisect_train_step import CONFIG as TRAIN_STEP_CONFIG  # (one probe)
+from bisect_train_step import step_times_ms, training_step
+
+from modeling.ops.triton_utils import interpreter_bf16_dot
 
 DEVICE = "cuda"
 
@@ -102,11 +104,11 @@ def bench_train_step(args) -> list[Row]:
         return HybridConfig(**fields, **overrides)
 
     variants = [
-        ("SSM branch off (SWA only)", dict(use_ssm_branch=False)),
-        ("hybrid, Triton kernels", dict()),
+        ("SSM branch off (SWA only)", {"use_ssm_branch": False}),
+        ("hybrid, Triton kernels", {}),
     ]
     if args.train_reference:
-        variants.append(("hybrid, PyTorch reference", dict(use_ssm_kernels=False)))
+        variants.append(("hybrid, PyTorch reference", {"use_ssm_kernels": False}))
     rows = []
     tokens = args.train_batch * args.train_seq_len
     for name, overrides in variants:
@@ -278,12 +280,12 @@ def vllm_ops():
     except Exception as error:  # noqa: BLE001 - any import failure means: no vLLM anchors in this run
         print(f"vLLM anchors skipped: {type(error).__name__}: {error}")
         return None
-    return dict(
-        causal_conv1d_fn=causal_conv1d_fn,
-        selective_scan_fn=selective_scan_fn,
-        selective_state_update=selective_state_update,
-        unified_attention=unified_attention,
-    )
+    return {
+        "causal_conv1d_fn": causal_conv1d_fn,
+        "selective_scan_fn": selective_scan_fn,
+        "selective_state_update": selective_state_update,
+        "unified_attention": unified_attention,
+    }
 
 
 @dataclass
