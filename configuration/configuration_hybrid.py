@@ -13,7 +13,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, RopeParameters
 
 HYBRID_LAYER_TYPES = ("sliding_attention", "full_attention")
 # The history branches `modeling.history.HISTORY_BRANCHES` builds (docs/DESIGN.md); a test keeps the two in step.
-SSM_TYPES = ("mamba1",)
+SSM_TYPES = ("mamba1", "mamba2")
+# Fields of one branch kind only, with their defaults: set to anything else under the other kind, they are refused.
+MAMBA1_ONLY_FIELDS = {"ssm_dt_rank": "auto"}
+MAMBA2_ONLY_FIELDS = {"ssm_num_heads": None, "ssm_head_dim": None, "ssm_n_groups": 1, "ssm_chunk_size": 256}
 # Fields that mean the same in HybridConfig and in Transformers' Llama, Mistral and Qwen2 configs (upcycling reads
 # them from a source, `attention_only_config` writes them into a twin).
 ATTENTION_MODEL_FIELDS = (
@@ -88,7 +91,10 @@ class HybridConfig(PreTrainedConfig):
             has the SSM branch whatever its attention kind.
         ssm_type (`str`, *optional*, defaults to `"mamba1"`):
             The kind of history branch in every layer (docs/DESIGN.md): `"mamba1"`, Mamba-1's selective scan with a
-            diagonal state per channel. The `ssm_*` fields below size it.
+            diagonal state per channel, or `"mamba2"`, Mamba-2 (SSD): heads of `ssm_head_dim` channels sharing one
+            decay each, a `[head_dim, N]` state per head, B and C shared within each of `ssm_n_groups` groups, and a
+            gated RMSNorm before `out_proj`. The `ssm_*` fields below size it; those of the other kind must stay at
+            their defaults.
         ssm_state_size (`int`, *optional*, defaults to 16):
             State size N per SSM channel.
         ssm_conv_kernel_size (`int`, *optional*, defaults to 4):
@@ -96,7 +102,16 @@ class HybridConfig(PreTrainedConfig):
         ssm_intermediate_size (`int`, *optional*):
             Number of SSM channels E. `None` means `hidden_size`.
         ssm_dt_rank (`int` or `"auto"`, *optional*, defaults to `"auto"`):
-            Rank R of the dt projection; `"auto"` means `ceil(hidden_size / 16)`.
+            Mamba-1: rank R of the dt projection; `"auto"` means `ceil(hidden_size / 16)`.
+        ssm_num_heads (`int`, *optional*):
+            Mamba-2: number of heads Hs, with `ssm_num_heads * ssm_head_dim == ssm_intermediate_size`; give one of the
+            two (or neither: head dim 64).
+        ssm_head_dim (`int`, *optional*):
+            Mamba-2: channels P per head.
+        ssm_n_groups (`int`, *optional*, defaults to 1):
+            Mamba-2: groups G of heads sharing B and C (and one RMSNorm group each); must divide `ssm_num_heads`.
+        ssm_chunk_size (`int`, *optional*, defaults to 256):
+            Mamba-2: chunk length of the chunked (SSD) scan, a speed setting that does not change the function.
         ssm_dt_min (`float`, *optional*, defaults to 0.001):
             Lower end of the log-uniform range `softplus(dt_proj.bias)` is initialised in.
         ssm_dt_max (`float`, *optional*, defaults to 0.1):
@@ -178,6 +193,10 @@ class HybridConfig(PreTrainedConfig):
     ssm_conv_kernel_size: int = 4
     ssm_intermediate_size: int | None = None
     ssm_dt_rank: int | str = "auto"
+    ssm_num_heads: int | None = None
+    ssm_head_dim: int | None = None
+    ssm_n_groups: int = 1
+    ssm_chunk_size: int = 256
     ssm_dt_min: float = 0.001
     ssm_dt_max: float = 0.1
     ssm_dt_init_floor: float = 1e-4
@@ -196,8 +215,15 @@ class HybridConfig(PreTrainedConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.ssm_intermediate_size is None:
             self.ssm_intermediate_size = self.hidden_size
-        if self.ssm_dt_rank == "auto" and _is_positive_int(self.hidden_size):
+        if self.ssm_type == "mamba1" and self.ssm_dt_rank == "auto" and _is_positive_int(self.hidden_size):
             self.ssm_dt_rank = math.ceil(self.hidden_size / 16)
+        if self.ssm_type == "mamba2" and _is_positive_int(self.ssm_intermediate_size):
+            if self.ssm_num_heads is None and self.ssm_head_dim is None:
+                self.ssm_head_dim = 64
+            if self.ssm_num_heads is None and _is_positive_int(self.ssm_head_dim):
+                self.ssm_num_heads = self.ssm_intermediate_size // self.ssm_head_dim
+            elif self.ssm_head_dim is None and _is_positive_int(self.ssm_num_heads):
+                self.ssm_head_dim = self.ssm_intermediate_size // self.ssm_num_heads
         if self.layer_types is None and _is_positive_int(self.num_hidden_layers):
             self.layer_types = ["sliding_attention"] * self.num_hidden_layers
         # `rope_scaling` is the legacy name of `rope_parameters` (and wins, as in Transformers' standardisation).
@@ -230,7 +256,8 @@ class HybridConfig(PreTrainedConfig):
             "max_position_embeddings",
             "ssm_state_size",
             "ssm_intermediate_size",
-            "ssm_dt_rank",
+            "ssm_n_groups",
+            "ssm_chunk_size",
         ):
             value = getattr(self, name)
             if not _is_positive_int(value):
@@ -251,8 +278,7 @@ class HybridConfig(PreTrainedConfig):
             value = getattr(self, name)
             if not _is_finite(value) or not value > 0:
                 raise ValueError(f"HybridConfig.{name} must be a positive finite number, got {value!r}")
-        if self.ssm_type not in SSM_TYPES:
-            raise ValueError(f"HybridConfig.ssm_type must be one of {', '.join(SSM_TYPES)}, got {self.ssm_type!r}")
+        self.validate_ssm_type_fields()
         if not _is_finite(self.initializer_range) or self.initializer_range < 0:
             raise ValueError(
                 f"HybridConfig.initializer_range must be a finite number >= 0, got {self.initializer_range!r}"
@@ -349,6 +375,36 @@ class HybridConfig(PreTrainedConfig):
             raise ValueError(
                 "HybridConfig.rope_parameters['original_max_position_embeddings'] must be a positive integer, "
                 f"got {original!r}"
+            )
+
+    def validate_ssm_type_fields(self):
+        """The fields of the chosen history branch kind, and none of the other's."""
+        if self.ssm_type not in SSM_TYPES:
+            raise ValueError(f"HybridConfig.ssm_type must be one of {', '.join(SSM_TYPES)}, got {self.ssm_type!r}")
+        other_kind_fields = MAMBA2_ONLY_FIELDS if self.ssm_type == "mamba1" else MAMBA1_ONLY_FIELDS
+        for name, default in other_kind_fields.items():
+            if getattr(self, name) != default:
+                raise ValueError(
+                    f"HybridConfig.{name} does not apply to ssm_type {self.ssm_type!r}: leave it at {default!r}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        if self.ssm_type == "mamba1":
+            if not _is_positive_int(self.ssm_dt_rank):
+                raise ValueError(
+                    f"HybridConfig.ssm_dt_rank must be a positive integer or 'auto', got {self.ssm_dt_rank!r}"
+                )
+            return
+        for name in ("ssm_num_heads", "ssm_head_dim"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"HybridConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.ssm_num_heads * self.ssm_head_dim != self.ssm_intermediate_size:
+            raise ValueError(
+                f"HybridConfig.ssm_num_heads ({self.ssm_num_heads}) x ssm_head_dim ({self.ssm_head_dim}) must equal "
+                f"ssm_intermediate_size ({self.ssm_intermediate_size})"
+            )
+        if self.ssm_num_heads % self.ssm_n_groups:
+            raise ValueError(
+                f"HybridConfig.ssm_n_groups ({self.ssm_n_groups}) must divide ssm_num_heads ({self.ssm_num_heads})"
             )
 
     def attention_only_config(self, full_attention: bool = False) -> PreTrainedConfig:

@@ -7,12 +7,13 @@ from configuration import HybridConfig
 
 from .branch import HistoryBranch
 from .mamba1 import Mamba1Branch
+from .mamba2 import Mamba2Branch
 
-HISTORY_BRANCHES: dict[str, type[HistoryBranch]] = {"mamba1": Mamba1Branch}
+HISTORY_BRANCHES: dict[str, type[HistoryBranch]] = {"mamba1": Mamba1Branch, "mamba2": Mamba2Branch}
 
 
 def build_history_branch(config: HybridConfig, layer_idx: int) -> HistoryBranch:
     return HISTORY_BRANCHES[config.ssm_type](config, layer_idx)
 
 
-__all__ = ["HISTORY_BRANCHES", "HistoryBranch", "Mamba1Branch", "build_history_branch"]
+__all__ = ["HISTORY_BRANCHES", "HistoryBranch", "Mamba1Branch", "Mamba2Branch", "build_history_branch"]

@@ -60,7 +60,6 @@ if is_fast_path_available:
     )
 
 
-
 class Mamba1Branch(HistoryBranch):
     """Mamba-1 selective-SSM history branch. Reads the layer's normalised input `h` and returns `[B, T, H*D]`, which
     the attention adds to its own output before `o_proj`.

@@ -1,0 +1,149 @@
+"""The Mamba-2 history branch (`ssm_type="mamba2"`, docs/DESIGN.md): SSD, as Transformers' `Mamba2Mixer` and vLLM's
+`MambaMixer2` compute it, with the gated norm grouped as mamba_ssm groups it. Heads of P channels share one decay
+each, B and C are shared within groups of heads; the scan's state is [Hs, P, N] per sequence. Its ops: the causal
+conv of modeling/ops/causal_conv1d (over the E + 2GN channels of x, B and C) and modeling/ops/ssd (references)."""
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache
+
+from configuration import HybridConfig
+
+from ..ops import causal_conv1d_ref, decay_rates, gated_rms_norm_ref, ssd_chunk_scan_ref
+from .branch import HistoryBranch
+
+# The conv's Triton kernel (the Mamba-1 branch's, any channel count) on CUDA tensors; the scan runs its reference.
+causal_conv1d_fn = None
+if importlib.util.find_spec("triton") is not None:
+    from ..ops.causal_conv1d.interface import causal_conv1d_fn
+
+
+class Mamba2GatedRMSNorm(nn.Module):
+    """rmsnorm(y * silu(z)) over each of G groups of E/G channels, times a learned weight [E] (mamba_ssm's
+    `RMSNormGated` with `group_size`; Transformers' `MambaRMSNormGated` is the case G = 1)."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
+
+
+class Mamba2Branch(HistoryBranch):
+    """Mamba-2 history branch. Reads the layer's normalised input `h` and returns `[B, T, H*D]`, which the attention
+    adds to its own output before `o_proj`. The conv history `[B, E + 2GN, K-1]` and the state `[B, Hs, P, N]` (fp32)
+    are carried in the hybrid cache across forward calls."""
+
+    no_weight_decay = ("A_log", "D", "dt_bias")
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__(layer_idx)
+        self.intermediate_size = config.ssm_intermediate_size
+        self.num_heads, self.head_dim = config.ssm_num_heads, config.ssm_head_dim
+        self.n_groups, self.state_size = config.ssm_n_groups, config.ssm_state_size
+        self.conv_kernel_size = config.ssm_conv_kernel_size
+        self.chunk_size = config.ssm_chunk_size
+        self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
+        self.use_kernels = config.use_ssm_kernels
+        self.conv_channels = self.intermediate_size + 2 * self.n_groups * self.state_size
+
+        self.in_proj = nn.Linear(
+            config.hidden_size, self.intermediate_size + self.conv_channels + self.num_heads, bias=False
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_channels,
+            self.conv_channels,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_channels,
+            bias=config.ssm_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = Mamba2GatedRMSNorm(
+            self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps
+        )
+        self.out_proj = nn.Linear(self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        past_key_values: Cache | None = None,
+        padding_mask: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, length, _ = hidden_states.shape
+        has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
+        layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
+
+        # 1. Input projection: z gates the output, xBC feeds the conv, dt the step. Padding is zeroed so that the
+        #    conv of the first real token sees the zero history of a sequence start.
+        z, xBC, dt = self.in_proj(hidden_states).split(
+            [self.intermediate_size, self.conv_channels, self.num_heads], dim=-1
+        )
+        if padding_mask is not None:
+            xBC = xBC * padding_mask[..., None].to(xBC.dtype)
+
+        # 2. Causal depthwise conv (silu fused) over x, B and C, continuing from the cached last K-1 inputs.
+        conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E + 2GN, K-1]
+        conv = (
+            causal_conv1d_fn if hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn else causal_conv1d_ref
+        )
+        xBC_conv = conv(xBC, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)
+        if past_key_values is not None:
+            # Updates the cached history in place: only after the conv has read it.
+            past_key_values.update_conv_state(
+                xBC.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
+            )
+        x, B, C = xBC_conv.split(
+            [self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
+        )
+
+        # 3. The step per head, in fp32; a padding token steps by zero and leaves the state as it was.
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
+        if padding_mask is not None:
+            dt = dt * padding_mask[..., None].to(dt.dtype)
+
+        # 4. The chunked scan from the cached state; packed sequences each start from zero.
+        initial_state = layer_cache.recurrent_states[0] if has_history else None
+        y, final_state = ssd_chunk_scan_ref(
+            x.unflatten(-1, (self.num_heads, self.head_dim)),
+            dt,
+            decay_rates(self.A_log),
+            B.unflatten(-1, (self.n_groups, self.state_size)),
+            C.unflatten(-1, (self.n_groups, self.state_size)),
+            self.D,
+            self.chunk_size,
+            initial_state,
+            seq_idx,
+        )
+        if past_key_values is not None:
+            past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
+
+        # 5. Gated RMSNorm per group of E/G channels, then the output projection.
+        return self.out_proj(self.norm(y.reshape(batch, length, -1), z))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        # docs/DESIGN.md: A = -a with a uniform in [1, 16] per head; D = 1; softplus(dt_bias) log-uniform in
+        # [dt_min, dt_max] (the inverse softplus gives the bias); W_out = 0.
+        init.copy_(self.A_log, torch.log(torch.empty(self.num_heads, device=self.A_log.device).uniform_(1, 16)))
+        init.ones_(self.D)
+        log_dt = torch.rand(self.num_heads, device=self.dt_bias.device)
+        log_dt = log_dt * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min)
+        dt = torch.exp(log_dt).clamp(min=self.dt_init_floor)
+        init.copy_(self.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        # The input side as the Mamba-1 branch initialises it (PyTorch's default, as mamba_ssm).
+        init.kaiming_uniform_(self.in_proj.weight, a=math.sqrt(5))
+        init.kaiming_uniform_(self.conv1d.weight, a=math.sqrt(5))
+        if self.conv1d.bias is not None:
+            init.zeros_(self.conv1d.bias)
+        init.ones_(self.norm.weight)
+        init.zeros_(self.out_proj.weight)

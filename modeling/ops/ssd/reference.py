@@ -1,0 +1,169 @@
+"""Mamba-2's state-space duality (SSD) scan and its gated RMSNorm: the plain-PyTorch references every kernel of this
+op is to be tested against, in two forms that compute the same function (tested against each other and a float64
+token loop).
+
+Dimension letters (beside modeling/ops/causal_conv1d's): H heads (docs/DESIGN.md's Hs), P channels per head, G groups
+of heads sharing B and C (head h reads group h // (H / G)), N state size, L chunk length.
+
+The recurrence (docs/DESIGN.md, "Mamba-2"), per head h of a sequence, with one decay per head and step:
+    state_t = exp(dt_t[h] * A[h]) * state_{t-1} + dt_t[h] * x_t[h][:, None] * B_t[g(h)][None, :]     [P, N]
+    y_t[h]  = state_t @ C_t[g(h)] + D[h] * x_t[h]                                                     [P]
+dt is the step after its bias and softplus (>= 0; 0 leaves the state as it was: padding). The state is fp32; the
+output is in x's dtype. A packed row (`seq_idx`) starts each of its sequences from a zero state; the first one
+continues `initial_state`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _heads_per_group(num_heads: int, B: torch.Tensor) -> int:
+    groups = B.shape[2]
+    if num_heads % groups:
+        raise ValueError(f"the groups of B and C ({groups}) must divide the heads of x ({num_heads})")
+    return num_heads // groups
+
+
+def _sequence_starts(seq_idx: torch.Tensor | None, shape) -> torch.Tensor:
+    """[b, T] bool: True where a token starts a packed sequence after the row's first (its state restarts)."""
+    starts = torch.zeros(shape, dtype=torch.bool)
+    if seq_idx is None:
+        return starts
+    starts = starts.to(seq_idx.device)
+    starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
+    return starts
+
+
+def ssd_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence token by token. x [b, T, H, P], dt [b, T, H], A [H], B and C [b, T, G, N], D [H],
+    initial_state [b, H, P, N] or None (zeros), seq_idx [b, T] or None. Returns (y [b, T, H, P] in x's dtype, final
+    state [b, H, P, N] fp32)."""
+    batch, length, num_heads, head_dim = x.shape
+    repeat = _heads_per_group(num_heads, B)
+    Bh = B.float().repeat_interleave(repeat, dim=2)  # [b, T, H, N]
+    Ch = C.float().repeat_interleave(repeat, dim=2)
+    decay = torch.exp(dt.float() * A.float())  # [b, T, H]
+    decay = decay.masked_fill(_sequence_starts(seq_idx, (batch, length)).to(x.device)[..., None], 0.0)
+    xdt = x.float() * dt.float()[..., None]  # [b, T, H, P]
+    state = x.new_zeros(batch, num_heads, head_dim, B.shape[-1], dtype=torch.float32)
+    if initial_state is not None:
+        state = state + initial_state.float()
+    ys = []
+    for t in range(length):
+        state = decay[:, t, :, None, None] * state + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape, dtype=torch.float32)
+    y = y + D.float()[:, None] * x.float()
+    return y.to(x.dtype), state
+
+
+def _segment_sums(log_decay: torch.Tensor) -> torch.Tensor:
+    """[..., L] -> [..., L, L]: entry (i, j) = sum of log_decay over (j, i] for j <= i, -inf above the diagonal.
+    Built by summing the kept terms only, never by differences of cumulative sums: a -inf (a sequence start) makes
+    the entries that cross it -inf (exp 0) and leaves the others exact."""
+    length = log_decay.shape[-1]
+    terms = log_decay[..., :, None].expand(*log_decay.shape, length)  # (k, j): the term of step k
+    strictly_below = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril(-1)
+    sums = terms.masked_fill(~strictly_below, 0.0).cumsum(dim=-2)  # (i, j): sum over j < k <= i
+    on_or_below = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril()
+    return sums.masked_fill(~on_or_below, float("-inf"))
+
+
+def ssd_chunk_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    chunk_size: int,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same function in SSD's chunked form (the algorithm of the chunked kernels): within each chunk of L tokens
+    a masked matrix product (C B^T weighted by the decays between tokens), across chunks a recurrence over the chunks'
+    states. Same arguments and results as `ssd_scan_ref`, plus the chunk length."""
+    batch, length, num_heads, head_dim = x.shape
+    repeat = _heads_per_group(num_heads, B)
+    pad = (-length) % chunk_size
+    chunks = (length + pad) // chunk_size
+
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [b, T, ...] -> [b, chunks, L, ...], zero padded
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(batch, chunks, chunk_size, *t.shape[2:])
+
+    log_decay = dt.float() * A.float()  # [b, T, H]
+    starts = _sequence_starts(seq_idx, (batch, length)).to(x.device)
+    log_decay = log_decay.masked_fill(starts[..., None], float("-inf"))
+    log_decay = chunked(log_decay).permute(0, 1, 3, 2)  # [b, c, H, L]; padding decays by exp(0) = 1
+    xdt = chunked(x.float() * dt.float()[..., None])  # [b, c, L, H, P]; padding contributes 0
+    Bh = chunked(B.float().repeat_interleave(repeat, dim=2))  # [b, c, L, H, N]
+    Ch = chunked(C.float().repeat_interleave(repeat, dim=2))
+
+    # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(sum_(j, i] log_decay) xdt_j.
+    decay_ij = torch.exp(_segment_sums(log_decay))  # [b, c, H, L, L]
+    scores = torch.einsum("bclhn,bcshn->bchls", Ch, Bh) * decay_ij
+    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+
+    # 2. Each chunk's own contribution to the state at its end: sum_j exp(sum_(j, L-1] log_decay) B_j xdt_j.
+    decay_to_end = decay_ij[..., -1, :]  # [b, c, H, L]
+    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", decay_to_end, Bh, xdt)
+
+    # 3. Across chunks: the state entering each chunk, then what it gives each token there.
+    decay_from_start = torch.exp(torch.cumsum(log_decay, dim=-1))  # [b, c, H, L]: over [0, i]
+    state = x.new_zeros(batch, num_heads, head_dim, B.shape[-1], dtype=torch.float32)
+    if initial_state is not None:
+        state = state + initial_state.float()
+    entering = []
+    for c in range(chunks):
+        entering.append(state)
+        state = decay_from_start[:, c, :, -1, None, None] * state + chunk_states[:, c]
+    entering = torch.stack(entering, dim=1)  # [b, c, H, P, N]
+    y = y + torch.einsum("bclhn,bchpn,bchl->bclhp", Ch, entering, decay_from_start)
+
+    y = y.reshape(batch, chunks * chunk_size, num_heads, head_dim)[:, :length]
+    y = y + D.float()[:, None] * x.float()
+    return y.to(x.dtype), state
+
+
+def ssd_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """One decode step per row, the state updated in place. state [b, H, P, N] (fp32), x [b, H, P], dt [b, H],
+    B and C [b, G, N]. Returns y [b, H, P] in x's dtype."""
+    repeat = _heads_per_group(x.shape[1], B[:, None])
+    Bh = B.float().repeat_interleave(repeat, dim=1)  # [b, H, N]
+    Ch = C.float().repeat_interleave(repeat, dim=1)
+    decay = torch.exp(dt.float() * A.float())  # [b, H]
+    new_state = (
+        decay[..., None, None] * state.float() + (x.float() * dt.float()[..., None])[..., None] * Bh[:, :, None]
+    )
+    state.copy_(new_state)
+    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch) + D.float()[:, None] * x.float()
+    return y.to(x.dtype)
+
+
+def gated_rms_norm_ref(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """Mamba-2's output norm: rmsnorm(y * silu(z)) over each group of `group_size` channels, times `weight`, in fp32,
+    returned in y's dtype. y, z [..., E]; weight [E]."""
+    gated = y.float() * F.silu(z.float())
+    groups = gated.unflatten(-1, (-1, group_size))
+    normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed.flatten(-2) * weight.float()).to(y.dtype)
