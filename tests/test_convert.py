@@ -363,3 +363,21 @@ def test_existing_output_needs_force(hf_dir, tmp_path):
     assert run_converter(hf_dir, out, "--force").returncode == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+
+
+def test_a_branch_kind_vllm_does_not_serve_is_one_error_line(tmp_path, capsys):
+    HybridForCausalLM(
+        tiny_config(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2)
+    ).save_pretrained(tmp_path / "hf")
+    returncode = convert.main([str(tmp_path / "hf"), str(tmp_path / "out")])
+    assert returncode == 2 and not (tmp_path / "out").exists()
+    assert "ssm_type 'mamba2' is not served by the vLLM plugin yet" in capsys.readouterr().err
+
+
+def test_the_converter_refuses_exactly_the_branch_kinds_the_plugin_does_not_serve():
+    pytest.importorskip("vllm")
+    from configuration.configuration_hybrid import SSM_TYPES
+    from vllm_integration.history import HISTORY_BRANCHES
+    from vllm_integration.layout import SERVED_SSM_TYPES
+
+    assert set(SERVED_SSM_TYPES) == set(HISTORY_BRANCHES) <= set(SSM_TYPES)

@@ -39,7 +39,7 @@ from modeling.checkpoint_io import (
     write_directory_atomically,
 )
 
-from .layout import FP32_TENSORS, STACKED_PROJECTIONS, a_from_a_log
+from .layout import FP32_TENSORS, SERVED_SSM_TYPES, STACKED_PROJECTIONS, a_from_a_log
 
 
 def load_config(hf_dir: Path) -> HybridConfig:
@@ -55,6 +55,11 @@ def load_config(hf_dir: Path) -> HybridConfig:
         raise CheckpointError(f"{config_path}: not a valid HybridConfig ({type(error).__name__}: {error})") from None
     if not config.use_ssm_branch:
         raise CheckpointError(f"{config_path}: use_ssm_branch is false; the vLLM model serves the hybrid only")
+    if config.ssm_type not in SERVED_SSM_TYPES:
+        raise CheckpointError(
+            f"{config_path}: ssm_type {config.ssm_type!r} is not served by the vLLM plugin yet "
+            f"(it serves {', '.join(SERVED_SSM_TYPES)}); the Transformers model runs it"
+        )
     return config
 
 

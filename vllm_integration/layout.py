@@ -31,6 +31,10 @@ SSM_RENAMES = {
     ".self_attn.ssm.": ".self_attn.attn.ssm.",
 }
 
+# The history branch kinds (`config.ssm_type`) the plugin serves: vllm_integration/history's registry holds their
+# layers; the converter, which imports no vLLM, refuses the others by this list (a test keeps the two in step).
+SERVED_SSM_TYPES = ("mamba1",)
+
 # The SSM tensors that stay fp32 whatever the checkpoint's dtype (the converter writes them so; the kernels read them
 # in fp32): the decay rates' log and the skip.
 FP32_TENSORS = (".A_log", ".D")

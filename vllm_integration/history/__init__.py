@@ -29,6 +29,11 @@ HISTORY_BRANCHES = {"mamba1": Mamba1Branch}
 
 
 def history_branch_class(config: HybridConfig) -> type[Mamba1Branch]:
+    if config.ssm_type not in HISTORY_BRANCHES:
+        served = ", ".join(HISTORY_BRANCHES)
+        raise ValueError(
+            f"the vLLM plugin serves ssm_type {served}, not {config.ssm_type!r} (Transformers only so far)"
+        )
     return HISTORY_BRANCHES[config.ssm_type]
 
 

@@ -1,0 +1,139 @@
+"""The Mamba-2 history branch (`ssm_type="mamba2"`) in the Transformers model: the branch against Transformers' own
+`Mamba2Mixer` on the same weights, and the model's invariants (docs/DESIGN.md) on its PyTorch references: cached
+decoding and chunked prefill equal one pass, a packed row equals its sequences alone, left padding equals each prompt
+alone, static equals dynamic caches, saving and loading, and a fresh branch adds nothing (W_out = 0)."""
+
+import pytest
+import torch
+from transformers import DataCollatorWithFlattening
+
+from modeling import HybridCache, HybridForCausalLM
+from modeling.history import Mamba2Branch
+from modeling.training import HybridTrainer
+
+# E 48 = 4 heads x 12 channels in 2 groups; chunks of 4 tokens, so that every test crosses chunk boundaries.
+MAMBA2 = dict(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=4)
+
+
+@pytest.fixture
+def make_mamba2(make_model):
+    return lambda **overrides: make_model(**{**MAMBA2, **overrides})
+
+
+def test_branch_is_transformers_mamba2_mixer_on_the_same_weights(make_mamba2):
+    from transformers import Mamba2Config
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+
+    # One group: Transformers' gated norm spans all E channels, ours each group's (the same for G = 1).
+    model = make_mamba2(ssm_n_groups=1)
+    config = model.config
+    branch = model.model.layers[0].self_attn.ssm
+    assert isinstance(branch, Mamba2Branch)
+    mixer_config = Mamba2Config(
+        hidden_size=config.hidden_size, num_heads=config.ssm_num_heads, head_dim=config.ssm_head_dim,
+        expand=config.ssm_intermediate_size // config.hidden_size, state_size=config.ssm_state_size,
+        n_groups=1, conv_kernel=config.ssm_conv_kernel_size, chunk_size=config.ssm_chunk_size, use_bias=False,
+        use_conv_bias=True, layer_norm_epsilon=config.rms_norm_eps, time_step_limit=(0.0, float("inf")),
+        num_hidden_layers=1,
+    )  # fmt: skip
+    assert config.ssm_intermediate_size % config.hidden_size == 0
+    mixer = Mamba2Mixer(mixer_config, layer_idx=0)
+    # The mixer projects back to hidden_size, the branch to H*D: compare through a mixer whose out_proj is ours.
+    mixer.out_proj = torch.nn.Linear(config.ssm_intermediate_size, branch.out_proj.out_features, bias=False)
+    mixer.load_state_dict(branch.state_dict())
+    hidden = torch.randn(2, 23, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(branch(hidden), mixer(hidden), atol=1e-5, rtol=1e-5)
+
+
+def test_cached_decoding_and_chunked_prefill_equal_one_pass(make_mamba2):
+    model = make_mamba2()
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        one_pass = model(ids).logits
+        cache = HybridCache(model.config)
+        pieces = [model(ids[:, :13], past_key_values=cache, use_cache=True).logits]  # a chunk, then two more
+        pieces.append(model(ids[:, 13:22], past_key_values=cache, use_cache=True).logits)
+        pieces += [model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in range(22, 30)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), one_pass, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_row_gives_each_sequence_what_it_gets_alone(make_mamba2):
+    model = make_mamba2().train()
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(3, 97, (n,), generator=generator).tolist() for n in (7, 1, 11, 3, 9)]
+    batch = DataCollatorWithFlattening()([{"input_ids": ids} for ids in sequences])
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    start = 0
+    for ids in sequences:
+        alone = model(input_ids=torch.tensor([ids])).logits
+        torch.testing.assert_close(logits[:, start : start + len(ids)], alone, atol=2e-5, rtol=1e-5)
+        start += len(ids)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(make_mamba2):
+    model = make_mamba2()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 97, (n,), generator=generator) for n in (19, 6, 2)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    with torch.no_grad():
+        batched_logits = model(ids, attention_mask=mask).logits
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for row, prompt in enumerate(prompts):
+            alone_logits = model(prompt[None]).logits[0]
+            torch.testing.assert_close(batched_logits[row, -len(prompt) :], alone_logits, atol=2e-5, rtol=1e-4)
+            alone = model.generate(prompt[None], max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert torch.equal(batched[row, -8:], alone[0, -8:])
+
+
+def test_static_cache_generates_what_the_dynamic_one_does(make_mamba2):
+    model = make_mamba2()
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=9, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        dynamic = model.generate(ids, **kwargs)
+        static = model.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(static, dynamic)
+
+
+def test_save_and_load_round_trip(make_mamba2, tmp_path):
+    model = make_mamba2()
+    model.save_pretrained(tmp_path)
+    loaded = HybridForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.ssm_type == "mamba2" and loaded.config.ssm_num_heads == 4
+    ids = torch.randint(3, 97, (1, 15), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_fresh_branch_adds_nothing_and_trains():
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    with_branch = HybridForCausalLM(tiny_config(**MAMBA2))
+    without = HybridForCausalLM(tiny_config(use_ssm_branch=False))
+    without.load_state_dict(with_branch.state_dict(), strict=False)
+    ids = torch.randint(3, 97, (2, 17), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        torch.testing.assert_close(with_branch(ids).logits, without(ids).logits)
+    branch = with_branch.model.layers[0].self_attn.ssm
+    decay_rates = branch.A_log.exp()  # a in A = -a: uniform in [1, 16] per head
+    assert torch.all((decay_rates >= 1) & (decay_rates <= 16))
+    dt = torch.nn.functional.softplus(branch.dt_bias)
+    assert torch.all((dt >= with_branch.config.ssm_dt_min * 0.999) & (dt <= with_branch.config.ssm_dt_max * 1.001))
+    # The zero out_proj still receives a gradient: the branch learns from the first step.
+    with_branch(ids, labels=ids).loss.backward()
+    assert branch.out_proj.weight.grad.abs().sum() > 0
+
+
+def test_trainer_spares_the_mamba2_dynamics_from_weight_decay(make_mamba2, tmp_path):
+    from transformers import TrainingArguments
+
+    model = make_mamba2()
+    args = TrainingArguments(output_dir=str(tmp_path), weight_decay=0.1, use_cpu=True, report_to=[])
+    decayed = set(HybridTrainer(model=model, args=args).get_decay_parameter_names(model))
+    prefix = "model.layers.0.self_attn.ssm."
+    assert not {prefix + name for name in ("A_log", "D", "dt_bias")} & decayed
+    assert {prefix + "in_proj.weight", prefix + "out_proj.weight"} <= decayed

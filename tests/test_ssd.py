@@ -1,0 +1,118 @@
+"""Mamba-2's SSD scan references (modeling/ops/ssd) against a float64 token loop written here from docs/DESIGN.md,
+against each other (values and gradients), and the gated norm against Transformers' `MambaRMSNormGated` (G = 1)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modeling.ops import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref
+
+BATCH, LENGTH, HEADS, HEAD_DIM, GROUPS, STATE = 2, 37, 4, 3, 2, 5
+
+
+def random_inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, LENGTH, HEADS, HEAD_DIM, generator=g)
+    dt = torch.rand(BATCH, LENGTH, HEADS, generator=g) * 0.6
+    A = -(torch.rand(HEADS, generator=g) * 3 + 0.2)
+    B = torch.randn(BATCH, LENGTH, GROUPS, STATE, generator=g)
+    C = torch.randn(BATCH, LENGTH, GROUPS, STATE, generator=g)
+    D = torch.randn(HEADS, generator=g)
+    h0 = torch.randn(BATCH, HEADS, HEAD_DIM, STATE, generator=g)
+    seq_idx = torch.zeros(BATCH, LENGTH, dtype=torch.long)
+    seq_idx[0, 10:], seq_idx[0, 11:], seq_idx[0, 25:], seq_idx[1, 16:] = 1, 2, 3, 1  # a one-token sequence too
+    return [t.to(dtype) for t in (x, dt, A, B, C, D, h0)] + [seq_idx]
+
+
+def token_loop_float64(x, dt, A, B, C, D, h0, seq_idx):
+    """docs/DESIGN.md's recurrence, one token and one head at a time, in float64."""
+    x, dt, A, B, C, D = (t.double() for t in (x, dt, A, B, C, D))
+    y = torch.empty_like(x)
+    final = torch.empty(BATCH, HEADS, HEAD_DIM, STATE, dtype=torch.float64)
+    for b in range(BATCH):
+        for h in range(HEADS):
+            g = h // (HEADS // GROUPS)
+            state = torch.zeros(HEAD_DIM, STATE, dtype=torch.float64) if h0 is None else h0[b, h].double()
+            for t in range(LENGTH):
+                if seq_idx is not None and t > 0 and seq_idx[b, t] != seq_idx[b, t - 1]:
+                    state = torch.zeros_like(state)
+                state = torch.exp(dt[b, t, h] * A[h]) * state + dt[b, t, h] * torch.outer(x[b, t, h], B[b, t, g])
+                y[b, t, h] = state @ C[b, t, g] + D[h] * x[b, t, h]
+            final[b, h] = state
+    return y, final
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed"])
+@pytest.mark.parametrize("with_initial_state", [False, True], ids=["zero-start", "initial-state"])
+@pytest.mark.parametrize("chunk_size", [1, 4, 16, 64])
+def test_both_forms_match_a_float64_token_loop(packed, with_initial_state, chunk_size):
+    x, dt, A, B, C, D, h0, seq_idx = random_inputs()
+    h0 = h0 if with_initial_state else None
+    seq_idx = seq_idx if packed else None
+    y_want, state_want = token_loop_float64(x, dt, A, B, C, D, h0, seq_idx)
+    for name, (y, state) in {
+        "recurrent": ssd_scan_ref(x, dt, A, B, C, D, h0, seq_idx),
+        "chunked": ssd_chunk_scan_ref(x, dt, A, B, C, D, chunk_size, h0, seq_idx),
+    }.items():
+        assert y.dtype == x.dtype and state.dtype == torch.float32
+        torch.testing.assert_close(y.double(), y_want, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(state.double(), state_want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_chunked_gradients_match_the_recurrence():
+    inputs = random_inputs(seed=1)
+    seq_idx = inputs.pop()
+    grads = {}
+    for name, scan in {
+        "recurrent": lambda *a: ssd_scan_ref(*a, seq_idx=seq_idx),
+        "chunked": lambda *a: ssd_chunk_scan_ref(*a[:6], 8, a[6], seq_idx),
+    }.items():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y, state = scan(*leaves)
+        g = torch.Generator().manual_seed(2)
+        (
+            (y * torch.randn(y.shape, generator=g)).sum() + (state * torch.randn(state.shape, generator=g)).sum()
+        ).backward()
+        grads[name] = [leaf.grad for leaf in leaves]
+        assert all(torch.isfinite(grad).all() for grad in grads[name]), name
+    for want, got in zip(grads["recurrent"], grads["chunked"]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_zero_step_leaves_the_state_as_it_was():
+    x, dt, A, B, C, D, h0, _ = random_inputs(seed=3)
+    dt[:, 20:] = 0.0  # padding: the step is zero from here on
+    _, state_at_20 = ssd_chunk_scan_ref(x[:, :20], dt[:, :20], A, B[:, :20], C[:, :20], D, 8, h0)
+    _, state_at_end = ssd_chunk_scan_ref(x, dt, A, B, C, D, 8, h0)
+    torch.testing.assert_close(state_at_end, state_at_20)
+
+
+def test_decode_update_is_one_step_of_the_scan():
+    x, dt, A, B, C, D, h0, _ = random_inputs(seed=4)
+    y_scan, state_scan = ssd_scan_ref(x[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, h0)
+    state = torch.full_like(h0, float("nan")).copy_(h0)
+    y = ssd_state_update_ref(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
+    torch.testing.assert_close(y, y_scan[:, 0])
+    torch.testing.assert_close(state, state_scan)
+
+
+def test_gated_norm_with_one_group_is_transformers_mamba2_norm():
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+
+    g = torch.Generator().manual_seed(5)
+    y, z = torch.randn(2, 7, 24, generator=g), torch.randn(2, 7, 24, generator=g)
+    norm = MambaRMSNormGated(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24, generator=g))
+    torch.testing.assert_close(gated_rms_norm_ref(y, z, norm.weight, 24, 1e-6), norm(y, z))
+
+
+def test_gated_norm_normalises_each_group_alone():
+    g = torch.Generator().manual_seed(6)
+    y, z, weight = torch.randn(3, 24, generator=g), torch.randn(3, 24, generator=g), torch.randn(24, generator=g)
+    got = gated_rms_norm_ref(y, z, weight, 8, 1e-6)
+    for group in range(3):
+        part = slice(8 * group, 8 * group + 8)
+        gated = (y[:, part] * F.silu(z[:, part])).double()
+        want = gated / torch.sqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[part].double()
+        torch.testing.assert_close(got[:, part].double(), want, atol=1e-6, rtol=1e-5)
