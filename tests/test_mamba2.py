@@ -137,3 +137,27 @@ def test_trainer_spares_the_mamba2_dynamics_from_weight_decay(make_mamba2, tmp_p
     prefix = "model.layers.0.self_attn.ssm."
     assert not {prefix + name for name in ("A_log", "D", "dt_bias")} & decayed
     assert {prefix + "in_proj.weight", prefix + "out_proj.weight"} <= decayed
+
+
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+def test_memory_timescales_use_the_steps_the_forward_takes(make_model, ssm_type):
+    """The diagnostic recomputes each decay's step from the branch's input; here the step is taken from the forward
+    itself (Mamba-1: dt_proj's output; Mamba-2: in_proj's last Hs columns), then softplus and 1 / (dt |A|)."""
+    model = make_model(**(MAMBA2 if ssm_type == "mamba2" else {}))
+    branch = model.model.layers[1].self_attn.ssm
+    seen = {}
+    branch.register_forward_pre_hook(lambda _m, args: seen.__setitem__("input", args[0]))
+    if ssm_type == "mamba1":
+        branch.dt_proj.register_forward_hook(lambda _m, _i, out: seen.__setitem__("dt", out))
+    else:
+        branch.in_proj.register_forward_hook(lambda _m, _i, out: seen.__setitem__("dt", out[..., -branch.num_heads :]))
+    with torch.no_grad():
+        model(torch.randint(3, 97, (2, 21), generator=torch.Generator().manual_seed(7)))
+    A = -branch.A_log.double().exp()
+    if ssm_type == "mamba1":
+        want = 1 / (torch.nn.functional.softplus(seen["dt"].double()) * A.abs().min(-1).values)
+    else:
+        want = 1 / (torch.nn.functional.softplus(seen["dt"].double() + branch.dt_bias.double()) * A.abs())
+    got = branch.memory_timescales(seen["input"])
+    assert got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)

@@ -40,6 +40,12 @@ class HistoryBranch(nn.Module, ABC):
         from this layer's cached state and leaves its new state there. Returns [B, T, num_heads * head_dim]."""
 
     @abstractmethod
+    def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """How long the state remembers at each token of a sequence read from its start (no cache), in tokens: per
+        token and per decay the branch has (a channel's slowest state, a head's), the e-folding time 1 / (dt |A|) of
+        the step it takes there. [B, T, decays]. A diagnostic (tools/lm_benchmark), no part of the forward."""
+
+    @abstractmethod
     def init_weights(self) -> None:
         """The branch's own initialisation (docs/DESIGN.md), run by `HybridPreTrainedModel._init_weights` after the
         generic init of its submodules. `out_proj` starts at zero: a fresh or upcycled model is its attention

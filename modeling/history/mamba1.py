@@ -190,6 +190,15 @@ class Mamba1Branch(HistoryBranch):
         return REFERENCE_OPS
 
     @torch.no_grad()
+    def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        xs, _ = self.in_proj(hidden_states).chunk(2, dim=-1)
+        u = causal_conv1d_ref(xs, self.conv1d.weight[:, 0], self.conv1d.bias, "silu")
+        dt_low = self.x_proj(u)[..., : self.dt_rank]
+        dt = F.softplus(self.dt_proj(dt_low).float())  # [B, T, E]
+        slowest_rate = (-decay_rates(self.A_log)).min(dim=-1).values  # [E]: a channel's slowest state
+        return 1.0 / (dt * slowest_rate)
+
+    @torch.no_grad()
     def init_weights(self) -> None:
         # Mamba's S4D-real init: A = -(1..N) per channel; D = 1.
         A = torch.arange(1, self.state_size + 1, dtype=torch.float32, device=self.A_log.device)

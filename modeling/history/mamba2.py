@@ -131,6 +131,12 @@ class Mamba2Branch(HistoryBranch):
         return self.out_proj(self.norm(y.reshape(batch, length, -1), z))
 
     @torch.no_grad()
+    def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dt = self.in_proj(hidden_states)[..., -self.num_heads :]
+        dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
+        return 1.0 / (dt * -decay_rates(self.A_log))
+
+    @torch.no_grad()
     def init_weights(self) -> None:
         # docs/DESIGN.md: A = -a with a uniform in [1, 16] per head; D = 1; softplus(dt_bias) log-uniform in
         # [dt_min, dt_max] (the inverse softplus gives the bias); W_out = 0.

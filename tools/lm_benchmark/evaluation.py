@@ -341,14 +341,15 @@ def passkey_accuracy(model, probes: list[PasskeyProbe], batch_size: int) -> floa
 
 @torch.no_grad()
 def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] | None:
-    """Per layer, how long the history branch remembers on held-out text: for each channel the median over tokens of
-    the e-folding time `1 / (dt * min_n |A_n|)` of its slowest state (in tokens), summarised over the channels."""
+    """Per layer, how long the history branch remembers on held-out text: for each of its decays (a Mamba-1 channel's
+    slowest state, a Mamba-2 head) the median over tokens of the e-folding time `1 / (dt |A|)` (in tokens,
+    `HistoryBranch.memory_timescales`), summarised over the decays."""
     layers = [layer.self_attn.ssm for layer in model.model.layers] if isinstance(model, HybridForCausalLM) else []
     if not layers or layers[0] is None:
         return None
     captured = {}
     hooks = [
-        ssm.dt_proj.register_forward_hook(lambda _m, _i, out, i=i: captured.__setitem__(i, F.softplus(out.float())))
+        ssm.register_forward_pre_hook(lambda _m, args, i=i: captured.__setitem__(i, args[0]))
         for i, ssm in enumerate(layers)
     ]
     try:
@@ -359,8 +360,9 @@ def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] 
             hook.remove()
     stats = []
     for i, ssm in enumerate(layers):
-        slowest_rate = torch.exp(ssm.A_log.float()).min(-1).values  # [E]: min_n |A_n|
-        memory = (1.0 / (captured[i] * slowest_rate)).flatten(0, 1).median(0).values  # [E], tokens
+        with autocast():
+            timescales = ssm.memory_timescales(captured[i])
+        memory = timescales.flatten(0, 1).median(0).values  # [decays], tokens
         stats.append(
             {
                 "memory_tokens_p10_p50_p90": [
