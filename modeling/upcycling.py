@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from configuration import HybridConfig
-from configuration.configuration_hybrid import ATTENTION_MODEL_FIELDS
+from configuration.configuration_hybrid import ATTENTION_MODEL_FIELDS, SSM_TYPES
 
 from .checkpoint_io import (
     DTYPES,
@@ -77,10 +77,10 @@ def hybrid_config_for(
     source: PreTrainedConfig,
     sliding_window: int | None,
     full_attention_layers: list[int],
-    ssm_intermediate_size: int | None,
-    ssm_state_size: int | None,
+    ssm_fields: dict | None = None,
 ) -> HybridConfig:
-    """The HybridConfig whose attention and MLP are the source's, windowed."""
+    """The HybridConfig whose attention and MLP are the source's, windowed, with the history branch `ssm_fields`
+    describe (HybridConfig's `ssm_*` fields: its kind and sizes; the defaults for those not given)."""
     if getattr(source, "mlp_bias", False):
         raise CheckpointError("the source's MLP has biases (mlp_bias=true); the hybrid's MLP has none")
     window = sliding_window if sliding_window is not None else getattr(source, "sliding_window", None)
@@ -107,10 +107,7 @@ def hybrid_config_for(
     fields["layer_types"] = [
         "full_attention" if i in full_attention_layers else "sliding_attention" for i in range(num_layers)
     ]
-    if ssm_intermediate_size is not None:
-        fields["ssm_intermediate_size"] = ssm_intermediate_size
-    if ssm_state_size is not None:
-        fields["ssm_state_size"] = ssm_state_size
+    fields.update(ssm_fields or {})
     try:
         return HybridConfig(**fields)
     except ValueError as error:
@@ -143,17 +140,14 @@ def upcycle(
     out_dir: Path,
     sliding_window: int | None = None,
     full_attention_layers: list[int] | None = None,
-    ssm_intermediate_size: int | None = None,
-    ssm_state_size: int | None = None,
+    ssm_fields: dict | None = None,
     dtype_name: str | None = None,
     seed: int = 0,
     force: bool = False,
 ) -> HybridConfig:
     refuse_output_dir(source_dir, out_dir, force)
     source = load_source_config(source_dir)
-    config = hybrid_config_for(
-        source, sliding_window, full_attention_layers or [], ssm_intermediate_size, ssm_state_size
-    )
+    config = hybrid_config_for(source, sliding_window, full_attention_layers or [], ssm_fields)
     _, source_class = SOURCES[source.model_type]
     tensors = load_tensors(source_dir)
     if source.tie_word_embeddings:
@@ -180,6 +174,10 @@ def layer_indices(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
 
 
+# The command line's branch options, named as the HybridConfig fields they set.
+SSM_ARGUMENTS = ("ssm_type", "ssm_intermediate_size", "ssm_state_size", "ssm_head_dim", "ssm_n_groups")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="upcycle.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,8 +188,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--full-attention-layers", type=layer_indices, default=[], help="layers that keep full attention, e.g. 0,11"
     )
+    parser.add_argument(
+        "--ssm-type", choices=SSM_TYPES, help="the history branch: mamba1 (default) or mamba2 (docs/DESIGN.md)"
+    )
     parser.add_argument("--ssm-intermediate-size", type=int, help="SSM channels E (default: hidden_size)")
     parser.add_argument("--ssm-state-size", type=int, help="SSM state size N (default: 16)")
+    parser.add_argument("--ssm-head-dim", type=int, help="mamba2: channels per head (default: 64)")
+    parser.add_argument("--ssm-n-groups", type=int, help="mamba2: groups of heads sharing B and C (default: 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="output dtype (default: the source's)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the SSM branch's initialisation")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT_DIR if it exists")
@@ -202,8 +205,7 @@ def main(argv=None) -> int:
             args.out_dir,
             args.sliding_window,
             args.full_attention_layers,
-            args.ssm_intermediate_size,
-            args.ssm_state_size,
+            {name: value for name in SSM_ARGUMENTS if (value := getattr(args, name)) is not None},
             args.dtype,
             args.seed,
             args.force,
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
     full = [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
     print(
         f"wrote the hybrid to {args.out_dir}: window {config.sliding_window}, full-attention layers {full or 'none'}, "
-        f"SSM E={config.ssm_intermediate_size} N={config.ssm_state_size}"
+        f"SSM {config.ssm_type} E={config.ssm_intermediate_size} N={config.ssm_state_size}"
     )
     return 0
 

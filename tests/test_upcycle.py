@@ -192,6 +192,23 @@ def test_the_ssm_branch_is_live_and_its_options_are_applied(tmp_path):
     assert (after - before).abs().max() > 1e-4
 
 
+def test_a_mamba2_branch_upcycles_exactly_and_trains(tmp_path):
+    torch.manual_seed(5)
+    source = randomized(MistralForCausalLM(MistralConfig(**DIMS, sliding_window=5)))
+    hybrid = upcycled(
+        save_source(source, tmp_path / "mistral"), tmp_path / "hybrid", "--ssm-type", "mamba2",
+        "--ssm-intermediate-size", 48, "--ssm-head-dim", 12, "--ssm-n-groups", 2, "--ssm-state-size", 8,
+    )  # fmt: skip
+    config = hybrid.config
+    assert (config.ssm_type, config.ssm_num_heads, config.ssm_n_groups, config.ssm_state_size) == ("mamba2", 4, 2, 8)
+    ssm = hybrid.model.layers[0].self_attn.ssm
+    assert ssm.in_proj.weight.shape[0] == 48 + (48 + 2 * 2 * 8) + 4
+    assert_same_logits(hybrid, source, tokens(23))  # W_out = 0: the source's function with its window
+    hybrid.train()
+    hybrid(tokens(20), labels=tokens(20)).loss.backward()
+    assert ssm.out_proj.weight.grad.abs().sum() > 0
+
+
 def test_tokenizer_generation_config_and_dtype_are_carried(tmp_path):
     tokenizer = RecallTask().build_tokenizer()
     torch.manual_seed(5)
