@@ -14,13 +14,20 @@ from transformers.cache_utils import Cache
 
 from configuration import HybridConfig
 
-from ..ops import causal_conv1d_ref, decay_rates, gated_rms_norm_ref, ssd_chunk_scan_ref
+from ..ops import (
+    causal_conv1d_ref,
+    causal_conv1d_update_ref,
+    decay_rates,
+    gated_rms_norm_ref,
+    ssd_chunk_scan_ref,
+    ssd_state_update_ref,
+)
 from .branch import HistoryBranch
 
-# The conv's Triton kernel (the Mamba-1 branch's, any channel count) on CUDA tensors; the scan runs its reference.
-causal_conv1d_fn = None
+# The conv's Triton kernels (the Mamba-1 branch's, any channel count) on CUDA tensors; the scan runs its references.
+causal_conv1d_fn = causal_conv1d_update = None
 if importlib.util.find_spec("triton") is not None:
-    from ..ops.causal_conv1d.interface import causal_conv1d_fn
+    from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
 
 
 class Mamba2GatedRMSNorm(nn.Module):
@@ -90,12 +97,13 @@ class Mamba2Branch(HistoryBranch):
         )
         if padding_mask is not None:
             xBC = xBC * padding_mask[..., None].to(xBC.dtype)
+        on_kernels = hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn is not None
+        if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past:
+            return self.out_proj(self._decode_step(z, xBC, dt, layer_cache, padding_mask, on_kernels))
 
         # 2. Causal depthwise conv (silu fused) over x, B and C, continuing from the cached last K-1 inputs.
         conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E + 2GN, K-1]
-        conv = (
-            causal_conv1d_fn if hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn else causal_conv1d_ref
-        )
+        conv = causal_conv1d_fn if on_kernels else causal_conv1d_ref
         xBC_conv = conv(xBC, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", conv_history, seq_idx)
         if past_key_values is not None:
             # Updates the cached history in place: only after the conv has read it.
@@ -111,7 +119,8 @@ class Mamba2Branch(HistoryBranch):
         if padding_mask is not None:
             dt = dt * padding_mask[..., None].to(dt.dtype)
 
-        # 4. The chunked scan from the cached state; packed sequences each start from zero.
+        # 4. The chunked scan from the cached state; packed sequences each start from zero. Chunks no longer than the
+        #    input: the result does not depend on the chunk, the work does.
         initial_state = layer_cache.recurrent_states[0] if has_history else None
         y, final_state = ssd_chunk_scan_ref(
             x.unflatten(-1, (self.num_heads, self.head_dim)),
@@ -120,7 +129,7 @@ class Mamba2Branch(HistoryBranch):
             B.unflatten(-1, (self.n_groups, self.state_size)),
             C.unflatten(-1, (self.n_groups, self.state_size)),
             self.D,
-            self.chunk_size,
+            min(self.chunk_size, length),
             initial_state,
             seq_idx,
         )
@@ -129,6 +138,32 @@ class Mamba2Branch(HistoryBranch):
 
         # 5. Gated RMSNorm per group of E/G channels, then the output projection.
         return self.out_proj(self.norm(y.reshape(batch, length, -1), z))
+
+    def _decode_step(self, z, xBC, dt, layer_cache, padding_mask, on_kernels: bool) -> torch.Tensor:
+        """Steps 2-5 for one new token per row (z, xBC, dt [B, 1, ...]), the cached conv history and state updated in
+        place by the decode ops: no chunk machinery, no host sync. A padding token (padding_mask 0) enters the
+        history zeroed and steps by zero, leaving the state as it was. Returns the normed y [B, 1, E]."""
+        batch = xBC.shape[0]
+        rows = torch.arange(batch, device=xBC.device, dtype=torch.int32)  # row i owns cache row i
+        conv_update = causal_conv1d_update if on_kernels else causal_conv1d_update_ref
+        conv_state = layer_cache.conv_states[0]
+        xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
+        x, B, C = xBC.split(
+            [self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
+        )
+        dt = F.softplus(dt[:, 0].float() + self.dt_bias.float())  # [B, Hs]
+        if padding_mask is not None:
+            dt = dt * padding_mask[:, -1:].to(dt.dtype)
+        y = ssd_state_update_ref(
+            layer_cache.recurrent_states[0],
+            x.unflatten(-1, (self.num_heads, self.head_dim)),
+            dt,
+            decay_rates(self.A_log),
+            B.unflatten(-1, (self.n_groups, self.state_size)),
+            C.unflatten(-1, (self.n_groups, self.state_size)),
+            self.D,
+        )
+        return self.norm(y.reshape(batch, 1, -1), z)
 
     @torch.no_grad()
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
