@@ -5,7 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modeling.ops import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref
+from modeling.ops import (
+    gated_rms_norm_ref,
+    ssd_chunk_scan_ref,
+    ssd_scan_ref,
+    ssd_state_update_ref,
+    ssd_varlen_scan_ref,
+)
 
 BATCH, LENGTH, HEADS, HEAD_DIM, GROUPS, STATE = 2, 37, 4, 3, 2, 5
 
@@ -87,13 +93,37 @@ def test_a_zero_step_leaves_the_state_as_it_was():
     torch.testing.assert_close(state_at_end, state_at_20)
 
 
-def test_decode_update_is_one_step_of_the_scan():
+def test_decode_update_is_one_step_of_the_scan_in_each_slot():
     x, dt, A, B, C, D, h0, _ = random_inputs(seed=4)
     y_scan, state_scan = ssd_scan_ref(x[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D, h0)
-    state = torch.full_like(h0, float("nan")).copy_(h0)
-    y = ssd_state_update_ref(state, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D)
-    torch.testing.assert_close(y, y_scan[:, 0])
-    torch.testing.assert_close(state, state_scan)
+    y_fresh, state_fresh = ssd_scan_ref(x[:, :1], dt[:, :1], A, B[:, :1], C[:, :1], D)
+    # Request 0 continues from slot 3, request 1 (a first token) starts from zero in slot 1 whatever it holds.
+    cache = torch.randn(5, *h0.shape[1:])
+    cache[3] = h0[0]
+    untouched = cache[[0, 2, 4]].clone()
+    y = ssd_state_update_ref(
+        cache, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], D, torch.tensor([3, 1]), torch.tensor([True, False])
+    )
+    torch.testing.assert_close(y, torch.stack([y_scan[0, 0], y_fresh[1, 0]]))
+    torch.testing.assert_close(cache[3], state_scan[0])
+    torch.testing.assert_close(cache[1], state_fresh[1])
+    torch.testing.assert_close(cache[[0, 2, 4]], untouched)
+
+
+def test_packed_prefills_continue_from_their_slots():
+    x, dt, A, B, C, D, h0, _ = random_inputs(seed=8)
+    cu_seqlens, slots, has_initial = torch.tensor([0, 9, 30]), torch.tensor([2, 0]), torch.tensor([True, False])
+    cache = torch.randn(3, *h0.shape[1:])
+    cache[2] = h0[0]
+    out = torch.full((30, HEADS, HEAD_DIM), float("nan"))
+    ssd_varlen_scan_ref(
+        x[0, :30], dt[0, :30], A, B[0, :30], C[0, :30], D, cache, cu_seqlens, slots, has_initial, 4, out
+    )
+    first, first_state = ssd_scan_ref(x[:1, :9], dt[:1, :9], A, B[:1, :9], C[:1, :9], D, h0[:1])
+    second, second_state = ssd_scan_ref(x[:1, 9:30], dt[:1, 9:30], A, B[:1, 9:30], C[:1, 9:30], D)
+    torch.testing.assert_close(out, torch.cat([first[0], second[0]]))
+    torch.testing.assert_close(cache[2], first_state[0])
+    torch.testing.assert_close(cache[0], second_state[0])
 
 
 def test_gated_norm_with_one_group_is_transformers_mamba2_norm():

@@ -155,7 +155,7 @@ class Mamba2Branch(HistoryBranch):
         if padding_mask is not None:
             dt = dt * padding_mask[:, -1:].to(dt.dtype)
         y = ssd_state_update_ref(
-            layer_cache.recurrent_states[0],
+            layer_cache.recurrent_states[0],  # row i owns cache row i
             x.unflatten(-1, (self.num_heads, self.head_dim)),
             dt,
             decay_rates(self.A_log),

@@ -22,7 +22,7 @@ from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_c
 from .decay import decay_rates
 from .mamba_inner import mamba_inner_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
-from .ssd import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref
+from .ssd import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref, ssd_varlen_scan_ref
 
 __all__ = [
     "causal_conv1d_ref",
@@ -38,4 +38,5 @@ __all__ = [
     "ssd_chunk_scan_ref",
     "ssd_scan_ref",
     "ssd_state_update_ref",
+    "ssd_varlen_scan_ref",
 ]

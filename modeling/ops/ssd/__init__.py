@@ -2,12 +2,19 @@
 
 reference.py   the plain-PyTorch references: the recurrence token by token (`ssd_scan_ref`), the same in SSD's chunked
                form (`ssd_chunk_scan_ref`, the algorithm chunked kernels follow), the one-token decode update
-               (`ssd_state_update_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
+               (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
+               (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
 
 No Triton kernels yet: the Mamba-2 branch runs these references on every device (its causal conv uses
 modeling/ops/causal_conv1d's kernels where they run).
 """
 
-from .reference import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref
+from .reference import (
+    gated_rms_norm_ref,
+    ssd_chunk_scan_ref,
+    ssd_scan_ref,
+    ssd_state_update_ref,
+    ssd_varlen_scan_ref,
+)
 
-__all__ = ["gated_rms_norm_ref", "ssd_chunk_scan_ref", "ssd_scan_ref", "ssd_state_update_ref"]
+__all__ = ["gated_rms_norm_ref", "ssd_chunk_scan_ref", "ssd_scan_ref", "ssd_state_update_ref", "ssd_varlen_scan_ref"]

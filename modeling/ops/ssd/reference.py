@@ -136,26 +136,64 @@ def ssd_chunk_scan_ref(
 
 
 def ssd_state_update_ref(
-    state: torch.Tensor,
+    state_cache: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
     D: torch.Tensor,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step per row, the state updated in place. state [b, H, P, N] (fp32), x [b, H, P], dt [b, H],
-    B and C [b, G, N]. Returns y [b, H, P] in x's dtype."""
+    """One decode step per request, its state slot updated in place. state_cache [slots, H, P, N], x [R, H, P],
+    dt [R, H], B and C [R, G, N]; state_indices [R] (None: request i owns slot i); has_initial_state [R] bool (False:
+    the request's first token, from a zero state whatever its slot holds; None: every request continues). Tensor code,
+    no branch on the values. Returns y [R, H, P] in x's dtype."""
     repeat = _heads_per_group(x.shape[1], B[:, None])
-    Bh = B.float().repeat_interleave(repeat, dim=1)  # [b, H, N]
+    Bh = B.float().repeat_interleave(repeat, dim=1)  # [R, H, N]
     Ch = C.float().repeat_interleave(repeat, dim=1)
-    decay = torch.exp(dt.float() * A.float())  # [b, H]
-    new_state = (
-        decay[..., None, None] * state.float() + (x.float() * dt.float()[..., None])[..., None] * Bh[:, :, None]
-    )
-    state.copy_(new_state)
-    y = torch.einsum("bhpn,bhn->bhp", new_state, Ch) + D.float()[:, None] * x.float()
+    rows = torch.arange(x.shape[0], device=x.device) if state_indices is None else state_indices.long()
+    state = state_cache[rows].float()
+    if has_initial_state is not None:
+        state = state * has_initial_state[:, None, None, None].to(state.dtype)
+    decay = torch.exp(dt.float() * A.float())  # [R, H]
+    state = decay[..., None, None] * state + (x.float() * dt.float()[..., None])[..., None] * Bh[:, :, None]
+    state_cache[rows] = state.to(state_cache.dtype)
+    y = torch.einsum("rhpn,rhn->rhp", state, Ch) + D.float()[:, None] * x.float()
     return y.to(x.dtype)
+
+
+def ssd_varlen_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state_cache: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    chunk_size: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed prefills, each continuing from (or starting) its state slot and leaving its final state there; a loop
+    over sequences of `ssd_chunk_scan_ref`. x [T, H, P], dt [T, H], B and C [T, G, N], state_cache [slots, H, P, N],
+    cu_seqlens [S+1] (sequence s owns rows cu[s]..cu[s+1]-1), state_indices [S], has_initial_state [S] bool.
+    Returns out [T, H, P] in x's dtype (rows past cu_seqlens[-1] are left as they were)."""
+    out = torch.empty_like(x) if out is None else out
+    bounds = cu_seqlens.tolist()
+    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        slot = int(state_indices[s])
+        initial = state_cache[slot][None] if bool(has_initial_state[s]) else None
+        rows = slice(start, end)
+        y, final = ssd_chunk_scan_ref(
+            x[None, rows], dt[None, rows], A, B[None, rows], C[None, rows], D, min(chunk_size, end - start), initial
+        )
+        out[rows] = y[0]
+        state_cache[slot] = final[0].to(state_cache.dtype)
+    return out
 
 
 def gated_rms_norm_ref(
