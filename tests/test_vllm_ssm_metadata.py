@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from vllm_metadata import common_metadata, ssm_metadata_builder  # noqa: E402
 
-from vllm_integration.history.mamba1 import HybridSSMMetadataBuilder  # noqa: E402
+from vllm_integration.history.metadata import HybridSSMMetadataBuilder  # noqa: E402
 
 
 @pytest.fixture(scope="module")

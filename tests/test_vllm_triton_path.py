@@ -77,7 +77,7 @@ def metadata_builders():
     from vllm_metadata import attention_metadata_builder, ssm_metadata_builder
 
     from vllm_integration.attention import HybridTritonAttentionMetadataBuilder
-    from vllm_integration.history.mamba1 import HybridSSMMetadataBuilder
+    from vllm_integration.history.metadata import HybridSSMMetadataBuilder
 
     config = tiny_config(
         num_attention_heads=H,
@@ -101,7 +101,7 @@ def step_metadata(builders, seq_lens, q_lens, slots, g):
     slot."""
     from vllm_metadata import attention_group_metadata, common_metadata
 
-    from vllm_integration.history.mamba1 import HybridSSMMetadata
+    from vllm_integration.history.metadata import HybridSSMMetadata
 
     attention_builder, *state_builders = builders
     # vLLM's flag: the request is still in its prompt (a new prompt, or a chunk of one); decodes are not.

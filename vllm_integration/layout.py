@@ -28,16 +28,17 @@ SSM_RENAMES = {
     ".self_attn.ssm.out_proj.": ".self_attn.out_proj.",
     ".self_attn.ssm.conv1d.": ".self_attn.attn.ssm.conv1d_",
     ".self_attn.ssm.A_log": ".self_attn.attn.ssm.A",
+    ".self_attn.ssm.norm.": ".self_attn.attn.ssm.norm_",
     ".self_attn.ssm.": ".self_attn.attn.ssm.",
 }
 
 # The history branch kinds (`config.ssm_type`) the plugin serves: vllm_integration/history's registry holds their
 # layers; the converter, which imports no vLLM, refuses the others by this list (a test keeps the two in step).
-SERVED_SSM_TYPES = ("mamba1",)
+SERVED_SSM_TYPES = ("mamba1", "mamba2")
 
 # The SSM tensors that stay fp32 whatever the checkpoint's dtype (the converter writes them so; the kernels read them
-# in fp32): the decay rates' log and the skip.
-FP32_TENSORS = (".A_log", ".D")
+# in fp32): the decay rates' log, the skip and Mamba-2's step bias.
+FP32_TENSORS = (".A_log", ".D", ".dt_bias")
 
 
 def a_from_a_log(a_log: torch.Tensor) -> torch.Tensor:

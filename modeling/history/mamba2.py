@@ -110,9 +110,7 @@ class Mamba2Branch(HistoryBranch):
             past_key_values.update_conv_state(
                 xBC.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
             )
-        x, B, C = xBC_conv.split(
-            [self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
-        )
+        x, B, C = self._heads_and_groups(xBC_conv)
 
         # 3. The step per head, in fp32; a padding token steps by zero and leaves the state as it was.
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
@@ -123,11 +121,11 @@ class Mamba2Branch(HistoryBranch):
         #    input: the result does not depend on the chunk, the work does.
         initial_state = layer_cache.recurrent_states[0] if has_history else None
         y, final_state = ssd_chunk_scan_ref(
-            x.unflatten(-1, (self.num_heads, self.head_dim)),
+            x,
             dt,
             decay_rates(self.A_log),
-            B.unflatten(-1, (self.n_groups, self.state_size)),
-            C.unflatten(-1, (self.n_groups, self.state_size)),
+            B,
+            C,
             self.D,
             min(self.chunk_size, length),
             initial_state,
@@ -148,22 +146,20 @@ class Mamba2Branch(HistoryBranch):
         conv_update = causal_conv1d_update if on_kernels else causal_conv1d_update_ref
         conv_state = layer_cache.conv_states[0]
         xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
-        x, B, C = xBC.split(
-            [self.intermediate_size, self.n_groups * self.state_size, self.n_groups * self.state_size], dim=-1
-        )
+        x, B, C = self._heads_and_groups(xBC)
         dt = F.softplus(dt[:, 0].float() + self.dt_bias.float())  # [B, Hs]
         if padding_mask is not None:
             dt = dt * padding_mask[:, -1:].to(dt.dtype)
-        y = ssd_state_update_ref(
-            layer_cache.recurrent_states[0],  # row i owns cache row i
-            x.unflatten(-1, (self.num_heads, self.head_dim)),
-            dt,
-            decay_rates(self.A_log),
-            B.unflatten(-1, (self.n_groups, self.state_size)),
-            C.unflatten(-1, (self.n_groups, self.state_size)),
-            self.D,
-        )
+        # Row i owns cache row i.
+        y = ssd_state_update_ref(layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D)
         return self.norm(y.reshape(batch, 1, -1), z)
+
+    def _heads_and_groups(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [..., E + 2GN] as x [..., Hs, P], B and C [..., G, N]."""
+        group_channels = self.n_groups * self.state_size
+        x, B, C = xBC.split([self.intermediate_size, group_channels, group_channels], dim=-1)
+        groups = (self.n_groups, self.state_size)
+        return x.unflatten(-1, (self.num_heads, self.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
 
     @torch.no_grad()
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:

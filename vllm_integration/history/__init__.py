@@ -22,13 +22,15 @@ A new kind is an op folder in modeling/ops, one file here and one in modeling/hi
 
 from configuration import HybridConfig
 
+from .layer import ServedHistoryBranch
 from .mamba1 import Mamba1Branch
-from .split import token_split
+from .mamba2 import Mamba2Branch
+from .metadata import token_split
 
-HISTORY_BRANCHES = {"mamba1": Mamba1Branch}
+HISTORY_BRANCHES = {"mamba1": Mamba1Branch, "mamba2": Mamba2Branch}
 
 
-def history_branch_class(config: HybridConfig) -> type[Mamba1Branch]:
+def history_branch_class(config: HybridConfig) -> type[ServedHistoryBranch]:
     if config.ssm_type not in HISTORY_BRANCHES:
         served = ", ".join(HISTORY_BRANCHES)
         raise ValueError(
@@ -37,4 +39,11 @@ def history_branch_class(config: HybridConfig) -> type[Mamba1Branch]:
     return HISTORY_BRANCHES[config.ssm_type]
 
 
-__all__ = ["HISTORY_BRANCHES", "Mamba1Branch", "history_branch_class", "token_split"]
+__all__ = [
+    "HISTORY_BRANCHES",
+    "Mamba1Branch",
+    "Mamba2Branch",
+    "ServedHistoryBranch",
+    "history_branch_class",
+    "token_split",
+]
