@@ -27,12 +27,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
 
 
-def _tiny_config():
+def _tiny_config(**overrides):
     """conftest's tiny model, with a vocabulary that two tensor-parallel ranks split evenly (`lm_head` gathers a
     colwise output). Imported here, not at the top: conftest imports `configuration` and `modeling`."""
     from conftest import tiny_config
 
-    return tiny_config(vocab_size=96)
+    return tiny_config(vocab_size=96, **overrides)
 
 
 def _batch(vocab_size: int) -> torch.Tensor:
@@ -216,10 +216,15 @@ def _tp_worker(model_dir: str, out_dir: str) -> None:
     _finish()
 
 
-def test_tensor_parallel_from_pretrained_gives_the_unsharded_logits(tmp_path):
+# Mamba-2: E 48 = 4 heads x 12 in 2 groups (in_proj's 132 outputs split over the two ranks, then gathered).
+MAMBA2 = dict(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2)
+
+
+@pytest.mark.parametrize("branch", [{}, MAMBA2], ids=["mamba1", "mamba2"])
+def test_tensor_parallel_from_pretrained_gives_the_unsharded_logits(tmp_path, branch):
     from modeling import HybridForCausalLM
 
-    config = _tiny_config()
+    config = _tiny_config(**branch)
     torch.manual_seed(0)
     model = HybridForCausalLM(config)
     with torch.no_grad():  # out_proj starts at zero: give the SSM branch something to add
