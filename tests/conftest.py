@@ -39,6 +39,11 @@ def bf16_dot_in_the_interpreter():
         yield
 
 
+# The Mamba-2 branch of the tiny model: E 48 = 4 heads x 12 channels in 2 groups, chunks of 4 tokens (so that every
+# test crosses chunk boundaries).
+MAMBA2_BRANCH = dict(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=4)
+
+
 def tiny_config(**overrides) -> HybridConfig:
     """A model small enough for CPU tests, with both layer kinds, GQA and a short window."""
     fields = dict(

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from conftest import MAMBA2_BRANCH
 from transformers import GenerationConfig
 from transformers.exporters.exporter_dynamo import DynamoConfig, DynamoExporter
 from transformers.exporters.utils import decompose_for_generation, get_leaf_tensors
@@ -24,9 +25,10 @@ def left_padded_mask(batch: int, seq_len: int, pads: list[int]) -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
-def test_exported_program_with_a_padding_mask_equals_eager(make_model, attn_implementation):
-    model = make_model(attn_implementation=attn_implementation)
+def test_exported_program_with_a_padding_mask_equals_eager(make_model, attn_implementation, ssm_type):
+    model = make_model(attn_implementation=attn_implementation, **(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
     input_ids = torch.randint(3, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
     attention_mask = left_padded_mask(3, 11, pads=[4, 0, 1])
     with torch.no_grad():
@@ -54,12 +56,13 @@ def test_exported_program_without_a_mask_equals_eager(make_model):
             torch.testing.assert_close(exported(input_ids=ids, use_cache=False).logits, expected, **TOL)
 
 
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
 @pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["hybrid-cache", "static-cache"])
-def test_exported_generation_steps_equal_eager(make_model, cache_implementation):
+def test_exported_generation_steps_equal_eager(make_model, cache_implementation, ssm_type):
     """Transformers' exporter on generate(): the prefill and the one-token decode step (the SSM's decode ops, in place
     on the cache) each export with torch.export and give eager's logits and caches. The decode step once failed here
     on a Python branch over the slots' values in the conv update reference (`GuardOnDataDependentSymNode`)."""
-    model = make_model()
+    model = make_model(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
     input_ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": input_ids, "attention_mask": left_padded_mask(2, 9, pads=[3, 0])}
     generation_config = GenerationConfig(cache_implementation=cache_implementation) if cache_implementation else None

@@ -5,14 +5,13 @@ alone, static equals dynamic caches, saving and loading, and a fresh branch adds
 
 import pytest
 import torch
+from conftest import MAMBA2_BRANCH as MAMBA2
+from conftest import tiny_config
 from transformers import DataCollatorWithFlattening
 
 from modeling import HybridCache, HybridForCausalLM
 from modeling.history import Mamba2Branch
 from modeling.training import HybridTrainer
-
-# E 48 = 4 heads x 12 channels in 2 groups; chunks of 4 tokens, so that every test crosses chunk boundaries.
-MAMBA2 = dict(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=4)
 
 
 @pytest.fixture
@@ -109,8 +108,6 @@ def test_save_and_load_round_trip(make_mamba2, tmp_path):
 
 
 def test_a_fresh_branch_adds_nothing_and_trains():
-    from conftest import tiny_config
-
     torch.manual_seed(0)
     with_branch = HybridForCausalLM(tiny_config(**MAMBA2))
     without = HybridForCausalLM(tiny_config(use_ssm_branch=False))

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import MAMBA2_BRANCH
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -58,11 +59,12 @@ def test_a_few_steps_lower_the_loss(make_model):
     assert losses[-1] < 0.8 * losses[0]
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(make_model):
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+def test_gradient_checkpointing_gives_the_same_gradients(make_model, ssm_type):
     batch = batch_of_random_tokens()
     grads = []
     for checkpointing in (False, True):
-        model = make_model().train()
+        model = make_model(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {})).train()
         if checkpointing:
             model.gradient_checkpointing_enable()
             assert model.is_gradient_checkpointing
