@@ -158,3 +158,13 @@ def test_memory_timescales_use_the_steps_the_forward_takes(make_model, ssm_type)
     got = branch.memory_timescales(seen["input"])
     assert got.shape == want.shape
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+def test_state_numel_is_what_the_cache_holds(make_model, ssm_type):
+    model = make_model(**(MAMBA2 if ssm_type == "mamba2" else {}))
+    cache = HybridCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (1, 9)), past_key_values=cache, use_cache=True)
+    for layer, branch in zip(cache.layers, (layer.self_attn.ssm for layer in model.model.layers)):
+        assert branch.state_numel() == (layer.conv_states[0].numel(), layer.recurrent_states[0].numel())

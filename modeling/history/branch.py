@@ -40,6 +40,10 @@ class HistoryBranch(nn.Module, ABC):
         from this layer's cached state and leaves its new state there. Returns [B, T, num_heads * head_dim]."""
 
     @abstractmethod
+    def state_numel(self) -> tuple[int, int]:
+        """(conv history, recurrent state) elements the branch keeps per sequence, whatever the context length."""
+
+    @abstractmethod
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """How long the state remembers at each token of a sequence read from its start (no cache), in tokens: per
         token and per decay the branch has (a channel's slowest state, a head's), the e-folding time 1 / (dt |A|) of

@@ -189,6 +189,9 @@ class Mamba1Branch(HistoryBranch):
             )
         return REFERENCE_OPS
 
+    def state_numel(self) -> tuple[int, int]:
+        return self.intermediate_size * (self.conv_kernel_size - 1), self.intermediate_size * self.state_size
+
     @torch.no_grad()
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
         xs, _ = self.in_proj(hidden_states).chunk(2, dim=-1)

@@ -161,6 +161,9 @@ class Mamba2Branch(HistoryBranch):
         groups = (self.n_groups, self.state_size)
         return x.unflatten(-1, (self.num_heads, self.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
 
+    def state_numel(self) -> tuple[int, int]:
+        return self.conv_channels * (self.conv_kernel_size - 1), self.num_heads * self.head_dim * self.state_size
+
     @torch.no_grad()
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dt = self.in_proj(hidden_states)[..., -self.num_heads :]

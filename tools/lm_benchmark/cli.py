@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from ..provenance import head_commit
+from modeling.history import HistoryBranch
 from modeling.training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
@@ -63,6 +64,15 @@ from .report import plot, plot_decision, print_table
 from .retrieval_data import WithSyntheticRetrievals
 from .timed_training import probe_seconds_per_step, train_model
 from .tokens import PackedSequences, TokenizedCorpus, prepare_data
+
+
+def ssm_state_bytes(model) -> int | None:
+    """Bytes of history-branch state a sequence holds across all layers (conv history in bf16, the recurrent state in
+    fp32, as bf16 serving keeps them), or None for a model without the branch."""
+    branches = [module for module in model.modules() if isinstance(module, HistoryBranch)]
+    if not branches:
+        return None
+    return sum(2 * conv + 4 * recurrent for conv, recurrent in (branch.state_numel() for branch in branches))
 
 
 def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
@@ -76,7 +86,12 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     model, extra = model_to_train(kind, data, shape, args)
     if kind == "upcycled":
         steps = 0
-    print(f"\n== {kind}: {model.num_parameters():,} parameters, {steps} steps of {shape.batch_size} x {shape.context}")
+    state = ssm_state_bytes(model)
+    print(
+        f"\n== {kind}: {model.num_parameters():,} parameters"
+        + (f", {state:,} bytes of branch state per sequence" if state else "")
+        + f", {steps} steps of {shape.batch_size} x {shape.context}"
+    )
     if steps:
         training = train_model(model, data.tokenizer, dataset, shape, steps, args, args.output_dir / kind, **extra)
         print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s; evaluating")
@@ -91,6 +106,7 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     return {
         "model": kind,
         "parameters": model.num_parameters(),
+        "ssm_state_bytes_per_sequence": ssm_state_bytes(model),
         "shape": asdict(shape),
         "attn_implementation": args.attn,
         "learning_rate": args.lr,
