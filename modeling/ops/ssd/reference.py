@@ -24,14 +24,14 @@ def _heads_per_group(num_heads: int, B: torch.Tensor) -> int:
     return num_heads // groups
 
 
-def _sequence_starts(seq_idx: torch.Tensor | None, shape) -> torch.Tensor:
-    """[b, T] bool: True where a token starts a packed sequence after the row's first (its state restarts)."""
-    starts = torch.zeros(shape, dtype=torch.bool)
+def _restart_at_sequence_starts(per_token: torch.Tensor, seq_idx: torch.Tensor | None, fill: float) -> torch.Tensor:
+    """per_token [b, T, H] with `fill` where a token starts a packed sequence after the row's first (its state
+    restarts there); unchanged without `seq_idx`."""
     if seq_idx is None:
-        return starts
-    starts = starts.to(seq_idx.device)
+        return per_token
+    starts = torch.zeros_like(seq_idx, dtype=torch.bool)
     starts[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-    return starts
+    return per_token.masked_fill(starts.to(per_token.device)[..., None], fill)
 
 
 def ssd_scan_ref(
@@ -52,7 +52,7 @@ def ssd_scan_ref(
     Bh = B.float().repeat_interleave(repeat, dim=2)  # [b, T, H, N]
     Ch = C.float().repeat_interleave(repeat, dim=2)
     decay = torch.exp(dt.float() * A.float())  # [b, T, H]
-    decay = decay.masked_fill(_sequence_starts(seq_idx, (batch, length)).to(x.device)[..., None], 0.0)
+    decay = _restart_at_sequence_starts(decay, seq_idx, 0.0)
     xdt = x.float() * dt.float()[..., None]  # [b, T, H, P]
     state = x.new_zeros(batch, num_heads, head_dim, B.shape[-1], dtype=torch.float32)
     if initial_state is not None:
@@ -102,8 +102,7 @@ def ssd_chunk_scan_ref(
         return t.reshape(batch, chunks, chunk_size, *t.shape[2:])
 
     log_decay = dt.float() * A.float()  # [b, T, H]
-    starts = _sequence_starts(seq_idx, (batch, length)).to(x.device)
-    log_decay = log_decay.masked_fill(starts[..., None], float("-inf"))
+    log_decay = _restart_at_sequence_starts(log_decay, seq_idx, float("-inf"))
     log_decay = chunked(log_decay).permute(0, 1, 3, 2)  # [b, c, H, L]; padding decays by exp(0) = 1
     xdt = chunked(x.float() * dt.float()[..., None])  # [b, c, L, H, P]; padding contributes 0
     Bh = chunked(B.float().repeat_interleave(repeat, dim=2))  # [b, c, L, H, N]
