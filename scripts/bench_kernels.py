@@ -106,6 +106,8 @@ def bench_train_step(args) -> list[Row]:
     variants = [
         ("SSM branch off (SWA only)", {"use_ssm_branch": False}),
         ("hybrid, Triton kernels", {}),
+        ("hybrid mamba2 N=16, compiled SSD", {"ssm_type": "mamba2"}),
+        ("hybrid mamba2 N=128, compiled SSD", {"ssm_type": "mamba2", "ssm_state_size": 128}),
     ]
     if args.train_reference:
         variants.append(("hybrid, PyTorch reference", {"use_ssm_kernels": False}))
@@ -214,6 +216,63 @@ def bench_scan(args) -> list[Row]:
         Row("scan", "PyTorch reference fwd+bwd", shape, ref_fb_ms, bytes=fwd_bytes + bwd_bytes),
         Row("scan", "Triton fwd+bwd, bf16 raw dt + softplus", shape, model_fb_ms, rel_err=max(model_errs),
             note="the model's call (dt_softplus=True)"),
+    ]  # fmt: skip
+
+
+def bench_ssd(args) -> list[Row]:
+    """Mamba-2's chunked scan (modeling/ops/ssd) at the training shape, forward and backward, compiled against its
+    eager reference, beside the Mamba-1 Triton scan over the same channels (N 16): what each branch's scan costs."""
+    from modeling.ops import selective_scan_ref, ssd_chunk_scan_ref
+    from modeling.ops.selective_scan.interface import selective_scan_fn
+    from modeling.ops.ssd.compiled import ssd_chunk_scan
+
+    batch, seq_len, channels, head_dim = args.train_batch, args.train_seq_len, args.ssd_channels, 64
+    heads, state, chunk = channels // head_dim, args.ssd_state, args.ssd_chunk
+    shape = f"B={batch} T={seq_len} H={heads} P={head_dim} N={state} G=1 L={chunk}"
+    x = randn(batch, seq_len, heads, head_dim)
+    dt = F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3)
+    A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
+    B, C = randn(batch, seq_len, 1, state), randn(batch, seq_len, 1, state)
+    D = randn(heads, dtype=torch.float32)
+    inputs = [x, dt, A, B, C, D]
+    for t in inputs:
+        t.requires_grad_(True)
+    dy = randn(batch, seq_len, heads, head_dim)
+
+    def fwd_bwd(scan):
+        def run():
+            y, _ = scan(*inputs, chunk)
+            return torch.autograd.grad(y, inputs, dy)
+
+        return run
+
+    errs = {"y": rel_err(ssd_chunk_scan(*inputs, chunk)[0], ssd_chunk_scan_ref(*inputs, chunk)[0])}
+    names = ["x", "dt", "A", "B", "C", "D"]
+    errs |= {f"d{n}": rel_err(g, r) for n, g, r in zip(names, fwd_bwd(ssd_chunk_scan)(), fwd_bwd(ssd_chunk_scan_ref)())}
+    # The fewest FLOPs: C B^T per group and chunk, its product with x per head, and the chunk states in and out.
+    fwd_flops = 2 * batch * seq_len * (chunk * state + heads * chunk * head_dim + 2 * heads * head_dim * state)
+    with torch.no_grad():
+        fwd_ms = median_ms(lambda: ssd_chunk_scan(*inputs, chunk))
+    fb_ms = median_ms(fwd_bwd(ssd_chunk_scan))
+    ref_fb_ms = median_ms(fwd_bwd(ssd_chunk_scan_ref), rep_ms=100)
+
+    mamba1_inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
+    mamba1_dy = randn(batch, seq_len, channels)
+
+    def mamba1_fwd_bwd():
+        y, _ = selective_scan_fn(*mamba1_inputs)
+        return torch.autograd.grad(y, mamba1_inputs, mamba1_dy)
+
+    mamba1_err = rel_err(selective_scan_fn(*mamba1_inputs)[0], selective_scan_ref(*mamba1_inputs)[0])
+    mamba1_ms = median_ms(mamba1_fwd_bwd)
+    return [
+        Row("ssd", "compiled fwd", shape, fwd_ms, flops=fwd_flops, rel_err=errs["y"]),
+        Row("ssd", "compiled fwd+bwd", shape, fb_ms, flops=3 * fwd_flops, rel_err=max(errs.values()),
+            note=f"{ref_fb_ms / fb_ms:.1f}x eager reference; {mamba1_ms / fb_ms:.2f}x the Mamba-1 scan's speed",
+            extra=errs),
+        Row("ssd", "eager reference fwd+bwd", shape, ref_fb_ms, flops=3 * fwd_flops),
+        Row("ssd", "Mamba-1 Triton scan fwd+bwd (anchor)", f"B={batch} T={seq_len} E={channels} N=16", mamba1_ms,
+            rel_err=mamba1_err),
     ]  # fmt: skip
 
 
@@ -740,6 +799,7 @@ def bench_sweeps(args) -> list[Row]:
 SECTIONS: dict[str, Callable] = {
     "scan": bench_scan,
     "conv": bench_conv,
+    "ssd": bench_ssd,
     "prefill": bench_prefill,
     "attention": bench_attention,
     "decode": bench_decode,
@@ -773,13 +833,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
-        default="scan,conv,prefill,attention,decode,train",
+        default="scan,conv,ssd,prefill,attention,decode,train",
         help=f"comma-separated sections of {list(SECTIONS)}",
     )
     parser.add_argument("--json", help="write the rows and ceilings here")
     parser.add_argument("--scan-batch", type=int, default=4)
     parser.add_argument("--scan-seq-len", type=int, default=4096)
     parser.add_argument("--scan-channels", type=int, default=1024)
+    parser.add_argument("--ssd-channels", type=int, default=2048, help="E of the Mamba-2 scan (heads of 64)")
+    parser.add_argument("--ssd-state", type=int, default=128)
+    parser.add_argument("--ssd-chunk", type=int, default=256)
     parser.add_argument("--serve-channels", type=int, default=4096, help="E of the serving benchmarks")
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--prefill-seq-len", type=int, default=2048)

@@ -146,3 +146,43 @@ def test_gated_norm_normalises_each_group_alone():
         gated = (y[:, part] * F.silu(z[:, part])).double()
         want = gated / torch.sqrt(gated.pow(2).mean(-1, keepdim=True) + 1e-6) * weight[part].double()
         torch.testing.assert_close(got[:, part].double(), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled scan is the CUDA path (Inductor's Triton)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_compiled_scan_matches_the_float64_loop_and_the_reference_gradients(dtype):
+    """modeling/ops/ssd/compiled.py, the Mamba-2 branch's training path on CUDA: values against the float64 token
+    loop (packed rows, initial state, a length that is no multiple of the chunk), gradients of every input against
+    autograd through the eager reference in fp32."""
+    from modeling.ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
+
+    inputs = random_inputs(seed=6)
+    seq_idx = inputs.pop().cuda()
+    inputs = [t.cuda() for t in inputs]
+    x = inputs[0].to(dtype)
+    want_y, want_state = token_loop_float64(x.float(), *inputs[1:], seq_idx)
+    y, state = ssd_chunk_scan(x, *inputs[1:6], 16, inputs[6], seq_idx)
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    assert y.dtype == dtype and state.dtype == torch.float32
+    torch.testing.assert_close(y.double(), want_y, **tolerance)
+    torch.testing.assert_close(state.double(), want_state, atol=1e-4, rtol=1e-4)
+
+    grads = {}
+    for name, scan in {"compiled": ssd_chunk_scan, "reference": ssd_chunk_scan_ref}.items():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        y, state = scan(*leaves[:6], 16, leaves[6], seq_idx)
+        g = torch.Generator(device="cuda").manual_seed(7)
+        dy, dstate = (
+            torch.randn(y.shape, generator=g, device="cuda"),
+            torch.randn(state.shape, generator=g, device="cuda"),
+        )
+        ((y * dy).sum() + (state * dstate).sum()).backward()
+        grads[name] = [leaf.grad for leaf in leaves]
+    for got, want in zip(grads["compiled"], grads["reference"]):
+        torch.testing.assert_close(
+            got, want, **({"atol": 1e-4, "rtol": 1e-4} if got.dtype == torch.float32 else tolerance)
+        )
+
+    y, z, weight = (torch.randn(3, 11, 24, device="cuda", dtype=dtype) for _ in range(3))
+    weight = weight[0, 0]
+    torch.testing.assert_close(gated_rms_norm(y, z, weight, 8, 1e-6), gated_rms_norm_ref(y, z, weight, 8, 1e-6))

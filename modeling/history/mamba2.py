@@ -1,7 +1,8 @@
 """The Mamba-2 history branch (`ssm_type="mamba2"`, docs/DESIGN.md): SSD, as Transformers' `Mamba2Mixer` and vLLM's
 `MambaMixer2` compute it, with the gated norm grouped as mamba_ssm groups it. Heads of P channels share one decay
 each, B and C are shared within groups of heads; the scan's state is [Hs, P, N] per sequence. Its ops: the causal
-conv of modeling/ops/causal_conv1d (over the E + 2GN channels of x, B and C) and modeling/ops/ssd (references)."""
+conv of modeling/ops/causal_conv1d (over the E + 2GN channels of x, B and C) and modeling/ops/ssd (the references,
+and on CUDA the chunked scan and the norm compiled)."""
 
 import importlib.util
 import math
@@ -24,23 +25,27 @@ from ..ops import (
 )
 from .branch import HistoryBranch
 
-# The conv's Triton kernels (the Mamba-1 branch's, any channel count) on CUDA tensors; the scan runs its references.
-causal_conv1d_fn = causal_conv1d_update = None
+# On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan and the
+# gated norm compiled by Inductor. The decode step's state update runs its reference.
+causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan = gated_rms_norm = None
 if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
+    from ..ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
 
 
 class Mamba2GatedRMSNorm(nn.Module):
     """rmsnorm(y * silu(z)) over each of G groups of E/G channels, times a learned weight [E] (mamba_ssm's
     `RMSNormGated` with `group_size`; Transformers' `MambaRMSNormGated` is the case G = 1)."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float):
+    def __init__(self, hidden_size: int, group_size: int, eps: float, use_kernels: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.use_kernels = group_size, eps, use_kernels
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
+        on_kernels = y.is_cuda and self.use_kernels and gated_rms_norm is not None
+        norm = gated_rms_norm if on_kernels else gated_rms_norm_ref
+        return norm(y, z, self.weight, self.group_size, self.eps)
 
 
 class Mamba2Branch(HistoryBranch):
@@ -75,7 +80,7 @@ class Mamba2Branch(HistoryBranch):
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = Mamba2GatedRMSNorm(
-            self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps
+            self.intermediate_size, self.intermediate_size // self.n_groups, config.rms_norm_eps, self.use_kernels
         )
         self.out_proj = nn.Linear(self.intermediate_size, config.num_attention_heads * config.head_dim, bias=False)
 
@@ -117,20 +122,14 @@ class Mamba2Branch(HistoryBranch):
         if padding_mask is not None:
             dt = dt * padding_mask[..., None].to(dt.dtype)
 
-        # 4. The chunked scan from the cached state; packed sequences each start from zero. Chunks no longer than the
-        #    input: the result does not depend on the chunk, the work does.
+        # 4. The chunked scan from the cached state; packed sequences each start from zero. The result does not
+        #    depend on the chunk, the work does: the reference takes chunks no longer than the input, the compiled
+        #    scan always the configured one (one compiled graph whatever the prompt's length).
         initial_state = layer_cache.recurrent_states[0] if has_history else None
-        y, final_state = ssd_chunk_scan_ref(
-            x,
-            dt,
-            decay_rates(self.A_log),
-            B,
-            C,
-            self.D,
-            min(self.chunk_size, length),
-            initial_state,
-            seq_idx,
+        scan, chunk = (
+            (ssd_chunk_scan, self.chunk_size) if on_kernels else (ssd_chunk_scan_ref, min(self.chunk_size, length))
         )
+        y, final_state = scan(x, dt, decay_rates(self.A_log), B, C, self.D, chunk, initial_state, seq_idx)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 

@@ -5,8 +5,8 @@ reference.py   the plain-PyTorch references: the recurrence token by token (`ssd
                (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
                (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
 
-No Triton kernels yet: the Mamba-2 branch runs these references on every device (its causal conv uses
-modeling/ops/causal_conv1d's kernels where they run).
+compiled.py    the scan and the norm on CUDA: their references compiled by TorchInductor (`ssd_chunk_scan`,
+               `gated_rms_norm`; import it where they are used, as the other ops' kernel modules)
 """
 
 from .reference import (

@@ -91,9 +91,12 @@ def ssd_chunk_scan_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same function in SSD's chunked form (the algorithm of the chunked kernels): within each chunk of L tokens
     a masked matrix product (C B^T weighted by the decays between tokens), across chunks a recurrence over the chunks'
-    states. Same arguments and results as `ssd_scan_ref`, plus the chunk length."""
+    states, itself written as one masked product over the chunks. No Python loop over the input and no branch on
+    values: `torch.compile` turns it into the training path's kernels (modeling/ops/ssd/compiled.py). Same arguments
+    and results as `ssd_scan_ref`, plus the chunk length."""
     batch, length, num_heads, head_dim = x.shape
     repeat = _heads_per_group(num_heads, B)
+    groups = B.shape[2]
     pad = (-length) % chunk_size
     chunks = (length + pad) // chunk_size
 
@@ -101,37 +104,37 @@ def ssd_chunk_scan_ref(
         t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
         return t.reshape(batch, chunks, chunk_size, *t.shape[2:])
 
+    # Heads split as (group, head in group) = (g, r): B and C are read once per group, never repeated per head.
     log_decay = dt.float() * A.float()  # [b, T, H]
     log_decay = _restart_at_sequence_starts(log_decay, seq_idx, float("-inf"))
-    log_decay = chunked(log_decay).permute(0, 1, 3, 2)  # [b, c, H, L]; padding decays by exp(0) = 1
-    xdt = chunked(x.float() * dt.float()[..., None])  # [b, c, L, H, P]; padding contributes 0
-    Bh = chunked(B.float().repeat_interleave(repeat, dim=2))  # [b, c, L, H, N]
-    Ch = chunked(C.float().repeat_interleave(repeat, dim=2))
+    log_decay = chunked(log_decay).unflatten(3, (groups, repeat)).permute(0, 1, 3, 4, 2)  # [b, c, G, R, L]
+    xdt = chunked(x.float() * dt.float()[..., None]).unflatten(3, (groups, repeat))  # [b, c, L, G, R, P]
+    Bc, Cc = chunked(B.float()), chunked(C.float())  # [b, c, L, G, N]; padding decays by 1 and adds 0
 
     # 1. Within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(sum_(j, i] log_decay) xdt_j.
-    decay_ij = torch.exp(_segment_sums(log_decay))  # [b, c, H, L, L]
-    scores = torch.einsum("bclhn,bcshn->bchls", Ch, Bh) * decay_ij
-    y = torch.einsum("bchls,bcshp->bclhp", scores, xdt)
+    decay_ij = torch.exp(_segment_sums(log_decay))  # [b, c, G, R, L, L]
+    scores = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)[:, :, :, None] * decay_ij
+    y = torch.einsum("bcgrls,bcsgrp->bclgrp", scores, xdt)
 
     # 2. Each chunk's own contribution to the state at its end: sum_j exp(sum_(j, L-1] log_decay) B_j xdt_j.
-    decay_to_end = decay_ij[..., -1, :]  # [b, c, H, L]
-    chunk_states = torch.einsum("bchl,bclhn,bclhp->bchpn", decay_to_end, Bh, xdt)
+    chunk_states = torch.einsum("bcgrl,bclgn,bclgrp->bcgrpn", decay_ij[..., -1, :], Bc, xdt)
 
-    # 3. Across chunks: the state entering each chunk, then what it gives each token there.
-    decay_from_start = torch.exp(torch.cumsum(log_decay, dim=-1))  # [b, c, H, L]: over [0, i]
-    state = x.new_zeros(batch, num_heads, head_dim, B.shape[-1], dtype=torch.float32)
+    # 3. Across chunks: the state entering chunk c is sum_{k < c} (decay over chunks k+1..c-1) chunk_states[k], plus
+    #    the initial state decayed over chunks 0..c-1: a segment sum over the chunks' total log-decays, with the
+    #    initial state as chunk "-1". Row `chunks` is the final state.
+    initial = x.new_zeros(batch, 1, groups, repeat, head_dim, B.shape[-1], dtype=torch.float32)
     if initial_state is not None:
-        state = state + initial_state.float()
-    entering = []
-    for c in range(chunks):
-        entering.append(state)
-        state = decay_from_start[:, c, :, -1, None, None] * state + chunk_states[:, c]
-    entering = torch.stack(entering, dim=1)  # [b, c, H, P, N]
-    y = y + torch.einsum("bclhn,bchpn,bchl->bclhp", Ch, entering, decay_from_start)
+        initial = initial + initial_state.float().reshape(initial.shape)
+    states = torch.cat([initial, chunk_states], dim=1)  # [b, c+1, G, R, P, N]
+    chunk_log_decay = F.pad(log_decay.sum(-1).permute(0, 2, 3, 1), (1, 0))  # [b, G, R, c+1]: 0, then chunks
+    carried = torch.exp(_segment_sums(chunk_log_decay))  # [b, G, R, c+1, c+1]
+    entering = torch.einsum("bgrij,bjgrpn->bigrpn", carried, states)  # [b, c+1, G, R, P, N]
+    decay_from_start = torch.exp(torch.cumsum(log_decay, dim=-1))  # [b, c, G, R, L]: over [0, i]
+    y = y + torch.einsum("bclgn,bcgrpn,bcgrl->bclgrp", Cc, entering[:, :-1], decay_from_start)
 
     y = y.reshape(batch, chunks * chunk_size, num_heads, head_dim)[:, :length]
     y = y + D.float()[:, None] * x.float()
-    return y.to(x.dtype), state
+    return y.to(x.dtype), entering[:, -1].reshape(batch, num_heads, head_dim, -1)
 
 
 def ssd_state_update_ref(
