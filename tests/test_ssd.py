@@ -160,12 +160,12 @@ def test_the_compiled_scan_matches_the_float64_loop_and_the_reference_gradients(
     seq_idx = inputs.pop().cuda()
     inputs = [t.cuda() for t in inputs]
     x = inputs[0].to(dtype)
-    want_y, want_state = token_loop_float64(x.float(), *inputs[1:], seq_idx)
+    want_y, want_state = token_loop_float64(*(t.cpu() for t in (x.float(), *inputs[1:], seq_idx)))
     y, state = ssd_chunk_scan(x, *inputs[1:6], 16, inputs[6], seq_idx)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     assert y.dtype == dtype and state.dtype == torch.float32
-    torch.testing.assert_close(y.double(), want_y, **tolerance)
-    torch.testing.assert_close(state.double(), want_state, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.double().cpu(), want_y, **tolerance)
+    torch.testing.assert_close(state.double().cpu(), want_state, atol=1e-4, rtol=1e-4)
 
     grads = {}
     for name, scan in {"compiled": ssd_chunk_scan, "reference": ssd_chunk_scan_ref}.items():

@@ -381,7 +381,9 @@ def launch_selective_scan_fwd(
         **token_strides("y", y),
         "CHUNKED": chunked,
         "HAS_H0": initial_state is not None,
-        "SEG": blocks.seg,
+        # Read only where segment checkpoints are saved (training): serving's launches keep one value, so that one
+        # compiled variant serves every chunk length.
+        "SEG": blocks.seg if seg_states is not None else 64,
         "UNROLL": blocks.unroll,
     }
     grid = (num_seqs, triton.cdiv(num_channels, blocks.block_e), num_chunks)

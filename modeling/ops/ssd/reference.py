@@ -129,7 +129,9 @@ def ssd_chunk_scan_ref(
     chunk_log_decay = F.pad(log_decay.sum(-1).permute(0, 2, 3, 1), (1, 0))  # [b, G, R, c+1]: 0, then chunks
     carried = torch.exp(_segment_sums(chunk_log_decay))  # [b, G, R, c+1, c+1]
     entering = torch.einsum("bgrij,bjgrpn->bigrpn", carried, states)  # [b, c+1, G, R, P, N]
-    decay_from_start = torch.exp(torch.cumsum(log_decay, dim=-1))  # [b, c, G, R, L]: over [0, i]
+    # Over [0, i]: the decay over (0, i] times the first step's. From decay_ij rather than a cumsum along the chunk,
+    # which Inductor's split-scan codegen (torch 2.11) fails to compile at L = 256 with one group.
+    decay_from_start = decay_ij[..., 0] * torch.exp(log_decay[..., :1])  # [b, c, G, R, L]
     y = y + torch.einsum("bclgn,bcgrpn,bcgrl->bclgrp", Cc, entering[:, :-1], decay_from_start)
 
     y = y.reshape(batch, chunks * chunk_size, num_heads, head_dim)[:, :length]
