@@ -56,6 +56,7 @@ from .ops import rms_normalize_heads
 
 logger = logging.get_logger(__name__)
 
+
 class HybridCache(DynamicCache):
     """Per layer, Transformers' hybrid cache layer: the attention KV (only the last W-1 tokens for a sliding layer)
     plus the SSM conv state `[B, E, K-1]` and ssm state `[B, E, N]` (fp32).

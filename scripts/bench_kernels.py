@@ -204,7 +204,9 @@ def bench_scan(args) -> list[Row]:
 
         return run
 
-    model_errs = [rel_err(g, r) for g, r in zip(model_fwd_bwd(selective_scan_fn)(), model_fwd_bwd(selective_scan_ref)())]
+    model_errs = [
+        rel_err(g, r) for g, r in zip(model_fwd_bwd(selective_scan_fn)(), model_fwd_bwd(selective_scan_ref)())
+    ]
     model_fb_ms = median_ms(model_fwd_bwd(selective_scan_fn))
     return [
         Row("scan", "Triton fwd", shape, fwd_ms, bytes=fwd_bytes, rel_err=errs["y"],
@@ -224,10 +226,10 @@ def bench_ssd(args) -> list[Row]:
     eager reference, beside the Mamba-1 Triton scan over the same channels (N 16): what each branch's scan costs."""
     from modeling.ops import selective_scan_ref, ssd_chunk_scan_ref
     from modeling.ops.selective_scan.interface import selective_scan_fn
-    from modeling.ops.ssd.compiled import ssd_chunk_scan
+    from modeling.ops.ssd.compiled import CHUNK, ssd_chunk_scan
 
     batch, seq_len, channels, head_dim = args.train_batch, args.train_seq_len, args.ssd_channels, 64
-    heads, state, chunk = channels // head_dim, args.ssd_state, args.ssd_chunk
+    heads, state, chunk = channels // head_dim, args.ssd_state, CHUNK
     shape = f"B={batch} T={seq_len} H={heads} P={head_dim} N={state} G=1 L={chunk}"
     x = randn(batch, seq_len, heads, head_dim)
     dt = F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3)
@@ -239,22 +241,25 @@ def bench_ssd(args) -> list[Row]:
         t.requires_grad_(True)
     dy = randn(batch, seq_len, heads, head_dim)
 
+    def reference(*args):
+        return ssd_chunk_scan_ref(*args, chunk)
+
     def fwd_bwd(scan):
         def run():
-            y, _ = scan(*inputs, chunk)
+            y, _ = scan(*inputs)
             return torch.autograd.grad(y, inputs, dy)
 
         return run
 
-    errs = {"y": rel_err(ssd_chunk_scan(*inputs, chunk)[0], ssd_chunk_scan_ref(*inputs, chunk)[0])}
+    errs = {"y": rel_err(ssd_chunk_scan(*inputs)[0], reference(*inputs)[0])}
     names = ["x", "dt", "A", "B", "C", "D"]
-    errs |= {f"d{n}": rel_err(g, r) for n, g, r in zip(names, fwd_bwd(ssd_chunk_scan)(), fwd_bwd(ssd_chunk_scan_ref)())}
+    errs |= {f"d{n}": rel_err(g, r) for n, g, r in zip(names, fwd_bwd(ssd_chunk_scan)(), fwd_bwd(reference)())}
     # The fewest FLOPs: C B^T per group and chunk, its product with x per head, and the chunk states in and out.
     fwd_flops = 2 * batch * seq_len * (chunk * state + heads * chunk * head_dim + 2 * heads * head_dim * state)
     with torch.no_grad():
-        fwd_ms = median_ms(lambda: ssd_chunk_scan(*inputs, chunk))
+        fwd_ms = median_ms(lambda: ssd_chunk_scan(*inputs))
     fb_ms = median_ms(fwd_bwd(ssd_chunk_scan))
-    ref_fb_ms = median_ms(fwd_bwd(ssd_chunk_scan_ref), rep_ms=100)
+    ref_fb_ms = median_ms(fwd_bwd(reference), rep_ms=100)
 
     mamba1_inputs = scan_inputs(batch, seq_len, channels, 16, requires_grad=True)
     mamba1_dy = randn(batch, seq_len, channels)
@@ -842,7 +847,6 @@ def main():
     parser.add_argument("--scan-channels", type=int, default=1024)
     parser.add_argument("--ssd-channels", type=int, default=2048, help="E of the Mamba-2 scan (heads of 64)")
     parser.add_argument("--ssd-state", type=int, default=128)
-    parser.add_argument("--ssd-chunk", type=int, default=256)
     parser.add_argument("--serve-channels", type=int, default=4096, help="E of the serving benchmarks")
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--prefill-seq-len", type=int, default=2048)

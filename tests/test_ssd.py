@@ -1,6 +1,8 @@
 """Mamba-2's SSD scan references (modeling/ops/ssd) against a float64 token loop written here from docs/DESIGN.md,
 against each other (values and gradients), and the gated norm against Transformers' `MambaRMSNormGated` (G = 1)."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,16 +163,16 @@ def test_the_compiled_scan_matches_the_float64_loop_and_the_reference_gradients(
     inputs = [t.cuda() for t in inputs]
     x = inputs[0].to(dtype)
     want_y, want_state = token_loop_float64(*(t.cpu() for t in (x.float(), *inputs[1:], seq_idx)))
-    y, state = ssd_chunk_scan(x, *inputs[1:6], 16, inputs[6], seq_idx)
+    y, state = ssd_chunk_scan(x, *inputs[1:6], inputs[6], seq_idx)
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     assert y.dtype == dtype and state.dtype == torch.float32
     torch.testing.assert_close(y.double().cpu(), want_y, **tolerance)
     torch.testing.assert_close(state.double().cpu(), want_state, atol=1e-4, rtol=1e-4)
 
     grads = {}
-    for name, scan in {"compiled": ssd_chunk_scan, "reference": ssd_chunk_scan_ref}.items():
+    for name, scan in {"compiled": ssd_chunk_scan, "reference": partial(ssd_chunk_scan_ref, chunk_size=16)}.items():
         leaves = [t.clone().requires_grad_() for t in inputs]
-        y, state = scan(*leaves[:6], 16, leaves[6], seq_idx)
+        y, state = scan(*leaves[:6], initial_state=leaves[6], seq_idx=seq_idx)
         g = torch.Generator(device="cuda").manual_seed(7)
         dy, dstate = (
             torch.randn(y.shape, generator=g, device="cuda"),

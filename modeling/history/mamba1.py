@@ -26,7 +26,6 @@ from ..ops import (
 )
 from .branch import HistoryBranch
 
-
 logger = logging.get_logger(__name__)
 
 # The SSM branch's Triton kernels (causal conv1d and selective scan, forward and backward) run on CUDA tensors; Triton

@@ -123,13 +123,15 @@ class Mamba2Branch(HistoryBranch):
             dt = dt * padding_mask[..., None].to(dt.dtype)
 
         # 4. The chunked scan from the cached state; packed sequences each start from zero. The result does not
-        #    depend on the chunk, the work does: the reference takes chunks no longer than the input, the compiled
-        #    scan always the configured one (one compiled graph whatever the prompt's length).
+        #    depend on the chunk, the work does: the compiled scan picks its own, the reference takes the config's,
+        #    no longer than the input.
         initial_state = layer_cache.recurrent_states[0] if has_history else None
-        scan, chunk = (
-            (ssd_chunk_scan, self.chunk_size) if on_kernels else (ssd_chunk_scan_ref, min(self.chunk_size, length))
-        )
-        y, final_state = scan(x, dt, decay_rates(self.A_log), B, C, self.D, chunk, initial_state, seq_idx)
+        A = decay_rates(self.A_log)
+        if on_kernels:
+            y, final_state = ssd_chunk_scan(x, dt, A, B, C, self.D, initial_state, seq_idx)
+        else:
+            chunk = min(self.chunk_size, length)
+            y, final_state = ssd_chunk_scan_ref(x, dt, A, B, C, self.D, chunk, initial_state, seq_idx)
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 

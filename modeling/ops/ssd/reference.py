@@ -13,6 +13,8 @@ output is in x's dtype. A packed row (`seq_idx`) starts each of its sequences fr
 continues `initial_state`.
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -188,7 +190,7 @@ def ssd_varlen_scan_ref(
     Returns out [T, H, P] in x's dtype (rows past cu_seqlens[-1] are left as they were)."""
     out = torch.empty_like(x) if out is None else out
     bounds = cu_seqlens.tolist()
-    for s, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+    for s, (start, end) in enumerate(itertools.pairwise(bounds)):
         slot = int(state_indices[s])
         initial = state_cache[slot][None] if bool(has_initial_state[s]) else None
         rows = slice(start, end)
