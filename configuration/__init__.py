@@ -6,9 +6,13 @@ A process that only unpickles a config (an FSDP or accelerate worker, a spawned 
 classes: `HybridConfig` is public as `modeling.HybridConfig` (`__module__`, as numpy's `set_module` does), so a pickle
 names that module and unpickling imports `modeling`."""
 
-from transformers import AutoConfig
+from .versions import check_torch_and_transformers
 
-from .configuration_hybrid import HybridConfig
+check_torch_and_transformers()  # before anything that uses them: an unsupported version fails here, by name
+
+from transformers import AutoConfig  # noqa: E402
+
+from .configuration_hybrid import HybridConfig  # noqa: E402
 
 AutoConfig.register(HybridConfig.model_type, HybridConfig, exist_ok=True)
 

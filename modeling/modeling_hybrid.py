@@ -104,6 +104,13 @@ class HybridStaticCache(StaticCache):
         ]
         Cache.__init__(self, layers=layers)
 
+    @property
+    def is_linear(self) -> list[bool]:
+        # Every layer holds attention KV beside its SSM states: none is SSM-only. Transformers 5.23's masks size the
+        # full-attention mask from the first layer that is neither sliding nor linear, and its `Cache.is_linear`
+        # exempts the dynamic full-and-linear layer but not the static one, so it would take a sliding layer's sizes.
+        return [False] * len(self.layers)
+
 
 HYBRID_CACHES = (HybridCache, HybridStaticCache)
 

@@ -1,6 +1,7 @@
 """Mamba-2's SSD scan references (modeling/ops/ssd) against a float64 token loop written here from docs/DESIGN.md,
 against each other (values and gradients), and the gated norm against Transformers' `MambaRMSNormGated` (G = 1)."""
 
+import inspect
 from functools import partial
 
 import pytest
@@ -133,7 +134,9 @@ def test_gated_norm_with_one_group_is_transformers_mamba2_norm():
 
     g = torch.Generator().manual_seed(5)
     y, z = torch.randn(2, 7, 24, generator=g), torch.randn(2, 7, 24, generator=g)
-    norm = MambaRMSNormGated(24, eps=1e-6)
+    # Transformers 5.23 gives its norm groups too (`group_size`); 5.17's normalises over every channel: one group.
+    groups = {"group_size": 24} if "group_size" in inspect.signature(MambaRMSNormGated).parameters else {}
+    norm = MambaRMSNormGated(24, eps=1e-6, **groups)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(24, generator=g))
     torch.testing.assert_close(gated_rms_norm_ref(y, z, norm.weight, 24, 1e-6), norm(y, z))

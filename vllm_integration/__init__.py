@@ -9,6 +9,9 @@ def register() -> None:
     from vllm import ModelRegistry
 
     import configuration  # noqa: F401  (registers model_type "hybrid" with AutoConfig, for vLLM's config loading)
+    from configuration.versions import check_vllm
+
+    check_vllm()  # an unsupported vLLM fails here, by name, before it loads a model
 
     from .upstream_fixes import bound_max_token_id, release_openmp_threads_before_fork
 

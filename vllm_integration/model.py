@@ -28,7 +28,6 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsLoRA, SupportsPP
 from vllm.model_executor.models.utils import (
-    AutoWeightsLoader,
     PPMissingLayer,
     WeightsMapper,
     extract_layer_index,
@@ -41,6 +40,7 @@ from configuration import HybridConfig
 from modeling.ops import rms_normalize_heads
 
 from .attention import HYBRID_ATTENTION_OP, HybridAttentionLayer
+from .compat import auto_weights_loader
 from .layout import SSM_RENAMES, STACKED_PROJECTIONS
 from .history import history_branch_class
 from .upstream_fixes import rewind_cpu_generators_of_discarded_samples, skip_rows_without_adapter_in_cpu_lora_ops
@@ -266,6 +266,12 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Suppor
         # vLLM's model runners call this on the built model, whose config names the branch kind.
         return history_branch_class(self.config).state_copy_func()
 
+    def get_mamba_state_copy_funcs(self, mamba_types) -> dict:
+        # vLLM 0.29 and later ask for the copy functions per Mamba backend type, through this class method of
+        # `IsHybrid`, which calls `get_mamba_state_copy_func` on the class: here on the model, which knows its branch.
+        copy_funcs = self.get_mamba_state_copy_func()
+        return {mamba_type: copy_funcs for mamba_type in mamba_types}
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
 
@@ -276,8 +282,7 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Suppor
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skip = ["lm_head."] if self.config.tie_word_embeddings else None
-        loader = AutoWeightsLoader(self, skip_prefixes=skip)
+        loader = auto_weights_loader(self, tied_lm_head=self.config.tie_word_embeddings)
         return loader.load_weights(_reject_precomputed_a(weights), mapper=self.hf_to_vllm_mapper)
 
 
