@@ -87,7 +87,8 @@ def probe(name, original):
 for name in ("_lazy_init", "init", "is_available", "device_count", "get_device_properties",
              "get_device_capability", "current_device", "synchronize"):
     setattr(torch.cuda, name, probe(f"torch.cuda.{name}", getattr(torch.cuda, name)))
-torch._C._cuda_getDeviceCount = probe("cudaGetDeviceCount", torch._C._cuda_getDeviceCount)
+if hasattr(torch._C, "_cuda_getDeviceCount"):  # absent from CPU-only builds (torch 2.13+cpu)
+    torch._C._cuda_getDeviceCount = probe("cudaGetDeviceCount", torch._C._cuda_getDeviceCount)
 driver_class = type(triton.runtime.driver)
 for name in ("active", "default"):
     setattr(driver_class, name, property(probe(f"triton.runtime.driver.{name}", getattr(driver_class, name).fget)))

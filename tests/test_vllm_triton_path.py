@@ -292,3 +292,22 @@ def test_the_cuda_layer_refuses_kv_caches_its_kernels_do_not_read(monkeypatch, c
             4, 16, 0.25, 2, make_history_branch=lambda prefix: None, sliding_window=8, max_num_seqs=4,
             cache_config=CacheConfig(cache_dtype=cache_dtype),
         )  # fmt: skip
+
+
+def test_the_window_kv_view_checks_the_layout_by_meaning():
+    """`compat.window_kv_views` reads vLLM's Triton layout [num_blocks, KVH, block_size, 2D] as key and value caches
+    [num_blocks, block_size, KVH, D], and refuses a cache laid out otherwise (our kernels would read any strides)."""
+    from vllm_integration.compat import window_kv_views
+
+    num_blocks, kv_heads, block_size, head_size = 5, 2, 16, 8
+    kv_cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size)
+    key_cache, value_cache = window_kv_views(kv_cache, kv_heads, head_size)
+    block, token, head = 3, 7, 1
+    assert torch.equal(key_cache[block, token, head], kv_cache[block, head, token, :head_size])
+    assert torch.equal(value_cache[block, token, head], kv_cache[block, head, token, head_size:])
+    for other_layout in (
+        kv_cache.transpose(1, 2).contiguous(),  # [num_blocks, block_size, KVH, 2D]
+        torch.randn(2, num_blocks, block_size, kv_heads, head_size),  # K and V stacked first
+    ):
+        with pytest.raises(RuntimeError, match="lays it out otherwise"):
+            window_kv_views(other_layout, kv_heads, head_size)

