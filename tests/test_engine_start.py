@@ -41,7 +41,9 @@ def test_a_process_vllm_forks_after_building_a_model_runs_parallel_cpu_ops(tmp_p
     """The engine's process, forked the way vLLM forks it (its own multiprocessing context, `fork` as its default),
     loads the converted weights and runs a parallel op on them, which waits forever on the parent's OpenMP pool
     without the plugin's fix (upstream_fixes, fix 4)."""
-    script = BUILD_SAVE_CONVERT + """
+    script = (
+        BUILD_SAVE_CONVERT
+        + """
 import os
 os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 import vllm_integration
@@ -65,6 +67,7 @@ if engine.exitcode is None:
     sys.exit("the forked process hung in its first parallel op")
 sys.exit(engine.exitcode)
 """
+    )
     done = run_script(script, tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -72,7 +75,8 @@ sys.exit(engine.exitcode)
 def test_building_saving_loading_and_converting_never_reach_the_gpu(tmp_path):
     """No CUDA initialisation, no device query, no Triton driver: each entry is replaced by a probe that records its
     call before the flow starts."""
-    script = """
+    script = (
+        """
 import torch
 import triton.runtime.driver
 
@@ -92,9 +96,12 @@ if hasattr(torch._C, "_cuda_getDeviceCount"):  # absent from CPU-only builds (to
 driver_class = type(triton.runtime.driver)
 for name in ("active", "default"):
     setattr(driver_class, name, property(probe(f"triton.runtime.driver.{name}", getattr(driver_class, name).fget)))
-""" + BUILD_SAVE_CONVERT + """
+"""
+        + BUILD_SAVE_CONVERT
+        + """
 assert not calls, f"the flow reached the GPU through {sorted(set(calls))}"
 assert not torch.cuda.is_initialized()
 """
+    )
     done = run_script(script, tmp_path, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]

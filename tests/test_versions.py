@@ -1,9 +1,8 @@
 """The supported versions (configuration/versions.py): pyproject.toml states the same ranges for pip, each check
 refuses an unsupported version by name, and the plugin refuses an unsupported vLLM when vLLM loads it."""
 
-import tomllib
-
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 
 from configuration import versions
