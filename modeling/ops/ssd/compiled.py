@@ -15,8 +15,11 @@ How it runs (measured on CPU with Inductor's C++ backend; the H200 timing is in 
   the backward (saved bytes 3x fewer, ~10 % more time), since saving every [L, L] product made the training step's
   peak 1.73x the SSM-off model's on the H200.
 
-Each call computes the reference's function (tests/test_ssd.py pairs them, gradients included, on the GPU). Shapes
-compile on first use; a second length marks the length dynamic, so generate() prefills do not recompile per length.
+Each call computes the reference's function (tests/test_ssd.py pairs them, gradients included, on the GPU). The batch
+and time dimensions are symbolic from the first call, so a new batch size or length never compiles again: what
+compiles anew is a new combination of grad mode, dtype, initial state and seq_idx, a few in any real use. Left to
+Dynamo's own rule (a dimension turns dynamic only after it changed, per cached variant), an evaluation after
+training recompiled for every batch size and hit the recompile limit, which fullgraph turns into an error.
 """
 
 import torch
@@ -27,7 +30,21 @@ from .reference import gated_rms_norm_ref, ssd_chunk_scan_ref
 CHUNK = 64
 ACTIVATION_MEMORY_BUDGET = 0.3
 
+# Variants of each function that may exist at once: one per combination of the inputs' kinds (grad mode, dtype,
+# initial state, seq_idx, a batch of one), more than Dynamo's default of 8.
+RECOMPILE_LIMIT = 32
+
 _compiled_scan = torch.compile(ssd_chunk_scan_ref, fullgraph=True)
+_compiled_norm = torch.compile(gated_rms_norm_ref, fullgraph=True)
+
+
+def _batch_and_time_dynamic(*tensors: torch.Tensor | None) -> None:
+    """Marks dims 0 (batch) and 1 (time) of each tensor symbolic for the compile of the call about to run."""
+    for tensor in tensors:
+        if tensor is not None:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            if tensor.dim() > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
 
 
 def ssd_chunk_scan(
@@ -41,9 +58,21 @@ def ssd_chunk_scan(
     seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd_chunk_scan_ref` compiled, in chunks of `CHUNK`; same arguments (but the chunk) and results."""
-    # The budget is read when the call compiles (the first call of each shape), by the partitioner of the backward.
-    with torch._functorch.config.patch(activation_memory_budget=ACTIVATION_MEMORY_BUDGET):
+    _batch_and_time_dynamic(x, dt, B, C, seq_idx)
+    if initial_state is not None:
+        torch._dynamo.maybe_mark_dynamic(initial_state, 0)
+    # The budget is read when a variant compiles, by the partitioner of the backward.
+    with (
+        torch._functorch.config.patch(activation_memory_budget=ACTIVATION_MEMORY_BUDGET),
+        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
+    ):
         return _compiled_scan(x, dt, A, B, C, D, CHUNK, initial_state, seq_idx)
 
 
-gated_rms_norm = torch.compile(gated_rms_norm_ref, fullgraph=True)
+def gated_rms_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
+    """`gated_rms_norm_ref` compiled; same arguments and result."""
+    _batch_and_time_dynamic(y, z)
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return _compiled_norm(y, z, weight, group_size, eps)
