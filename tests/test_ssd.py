@@ -194,9 +194,9 @@ def test_the_compiled_scan_matches_the_float64_loop_and_the_reference_gradients(
 
 
 def test_the_compiled_scan_compiles_once_per_kind_of_call_not_per_shape():
-    """An evaluation after training calls the compiled scan with batch sizes and lengths it has not seen (and under
-    no_grad, with and without an initial state): each call must equal the reference, and new shapes must not compile
-    new variants, which fullgraph turned into a hard error once Dynamo's recompile limit (8) was reached. Runs on the
+    """An evaluation after training calls the compiled scan without grad, with batch sizes and lengths it has not
+    seen, with and without an initial state: each call must equal the reference, and new shapes must not compile new
+    variants, which fullgraph turned into a hard error once Dynamo's recompile limit (8) was reached. Runs on the
     CPU through Inductor's C++ backend, the same compile as on CUDA up to codegen."""
     from torch._dynamo.utils import counters
 
