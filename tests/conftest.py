@@ -32,6 +32,20 @@ def compiled_variants(*kernels) -> list[int]:
     return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
 
 
+def vllm_tensor_parallel_one() -> None:
+    """vLLM's distributed state for real vLLM layers built in the test process: one gloo rank, tensor and pipeline
+    parallel 1. Call it under the vLLM config the layers are built with; every call after the first finds it set."""
+    import socket
+
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def bf16_dot_in_the_interpreter():
     """Every test: bf16 `tl.dot` in Triton's interpreter multiplies values, not their bits (`interpreter_bf16_dot`)."""
