@@ -65,6 +65,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         text=True,
         timeout=900,
         env={**engine_environment(), **(environment or {})},
+        check=False,  # a failed engine is reported below, with its stderr
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert lines, f"vLLM failed:\n{result.stderr[-5000:]}"

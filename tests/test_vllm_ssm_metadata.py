@@ -6,9 +6,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_metadata import common_metadata, ssm_metadata_builder  # noqa: E402
+from vllm_metadata import common_metadata, ssm_metadata_builder
 
-from vllm_integration.history.metadata import HybridSSMMetadataBuilder  # noqa: E402
+from vllm_integration.history.metadata import HybridSSMMetadataBuilder
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
-from conftest import compiled_variants, tiny_config, vllm_tensor_parallel_one  # noqa: E402
+from conftest import compiled_variants, tiny_config, vllm_tensor_parallel_one
 
-from vllm_integration.ops import paged_window_attention_ref  # noqa: E402
+from vllm_integration.ops import paged_window_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, KVH, D, W, BLOCK = 4, 2, 16, 8, 16  # heads, kv heads, head dim, window, KV block size
