@@ -34,9 +34,9 @@ def test_zeroes_the_first_tokens_slots_only(kernels, make_state):
     # rows on the null block.
     slots = torch.tensor([3, 5, 1, 8, NULL_BLOCK, NULL_BLOCK], dtype=torch.int32, device=DEVICE)
     flags = torch.tensor([True, False, True, False, False, False], device=DEVICE)
-    expected = zero_new_states_ref(state.clone(), slots, flags)
+    expected = zero_new_states_ref(state.clone(), slots, flags, NULL_BLOCK)
     assert expected[[5, 8]].eq(0).all() and not expected[[0, 1, 3]].eq(0).any()
-    got = kernels.zero_new_states_(state, slots, flags)
+    got = kernels.zero_new_states_(state, slots, flags, NULL_BLOCK)
     assert got is state
     assert torch.equal(state, expected)
 
@@ -44,4 +44,6 @@ def test_zeroes_the_first_tokens_slots_only(kernels, make_state):
 def test_refuses_slots_that_are_not_dense(kernels):
     state = torch.randn(9, 4, 8, 16, device=DEVICE)[:, :, :4]  # every slot strided
     with pytest.raises(ValueError, match="one dense block"):
-        kernels.zero_new_states_(state, torch.tensor([1], device=DEVICE), torch.tensor([False], device=DEVICE))
+        kernels.zero_new_states_(
+            state, torch.tensor([1], device=DEVICE), torch.tensor([False], device=DEVICE), NULL_BLOCK
+        )  # fmt: skip

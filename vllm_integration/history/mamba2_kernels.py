@@ -28,6 +28,7 @@ from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn,
 from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
 from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
 from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from ..ops.zero_states.interface import zero_new_states_
 from .metadata import HybridSSMMetadata
@@ -36,7 +37,7 @@ from .metadata import HybridSSMMetadata
 def conv_update(x, weight, bias, conv_state, state_indices, activation, out, *, has_initial_state=None):
     """`causal_conv1d_update_ref`'s contract (x [R, C], conv_state [slots, C, K-1] any strides)."""
     if has_initial_state is not None:
-        zero_new_states_(conv_state, state_indices, has_initial_state)
+        zero_new_states_(conv_state, state_indices, has_initial_state, NULL_BLOCK_ID)
     # The kernel writes its output over its input (a copy of it, where the conv state's dtype differs).
     result = causal_conv1d_update(out.copy_(x), conv_state, weight, bias, activation, conv_state_indices=state_indices)
     return out if conv_state.dtype == x.dtype else out.copy_(result)
@@ -59,7 +60,7 @@ def decode_step(
 ):  # fmt: skip
     """`ssd_state_update_ref`'s contract (x [R, H, P], dt [R, H] raw, B and C [R, G, N])."""
     if has_initial_state is not None:
-        zero_new_states_(ssm_state, state_indices, has_initial_state)
+        zero_new_states_(ssm_state, state_indices, has_initial_state, NULL_BLOCK_ID)
     head_dim, state_size = ssm_state.shape[2:]
     # The kernel takes dt, its bias, A and D per channel of a head: one per head here, broadcast with stride 0 (its
     # tied path, a scalar decay per head, as MambaMixer2 passes them).

@@ -3,7 +3,6 @@
 
 import torch
 import triton
-from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from modeling.ops.triton_utils import check_flags, check_index
 
@@ -26,7 +25,7 @@ def zero_new_states_(
     state: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
-    null_block_id: int = NULL_BLOCK_ID,
+    null_block_id: int,
 ) -> torch.Tensor:
     """`zero_new_states_ref`'s contract (each slot of `state` a dense block). The grid depends on shapes only, and
     nothing is read on the host: CUDA-graph safe. Returns state."""

@@ -7,16 +7,16 @@ flag False) is left alone: vLLM's kernels neither read nor write it.
 """
 
 import torch
-from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 
 def zero_new_states_ref(
     state: torch.Tensor,
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
-    null_block_id: int = NULL_BLOCK_ID,
+    null_block_id: int,
 ) -> torch.Tensor:
-    """state [slots, ...] any strides; state_indices [R] int32/int64; has_initial_state [R] bool. Zeroes
+    """state [slots, ...] any strides; state_indices [R] int32/int64; has_initial_state [R] bool; null_block_id:
+    vLLM's (`vllm.v1.attention.backends.utils.NULL_BLOCK_ID`; not imported here: the ops import no vLLM). Zeroes
     state[state_indices[r]] for every row r whose flag is False and whose slot is not `null_block_id`, in place;
     every other slot keeps its contents. Returns state."""
     fresh = ~has_initial_state & (state_indices != null_block_id)
