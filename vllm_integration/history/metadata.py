@@ -99,8 +99,9 @@ class HybridMamba2MetadataBuilder(HybridSSMMetadataBuilder):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
         if metadata.num_prefills == 0:
             return metadata
-        # The helper reads the prefills as the batch's last rows: so they are in our split too.
-        cu_chunk_seqlen, seq_idx, last_chunk_indices = self._build_chunk_metadata_tensors(
+        # The helper reads the prefills as the batch's last rows: so they are in our split too. (vLLM 0.32 returns
+        # a fourth tensor, its prefill checkpoints' chunks: None without checkpoints.)
+        cu_chunk_seqlen, seq_idx, last_chunk_indices, *_ = self._build_chunk_metadata_tensors(
             self.chunk_size, metadata, common_attn_metadata
         )
         return replace(
