@@ -47,7 +47,8 @@ echo "$runner"
 case "${1:-kernels}" in
   kernels)
     python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
-      tests/vllm_ops/test_paged_attention.py tests/vllm_ops/test_hybrid_decode.py tests/test_modeling_kernels.py \
+      tests/vllm_ops/test_paged_attention.py tests/vllm_ops/test_hybrid_decode.py tests/vllm_ops/test_zero_states.py \
+      tests/test_modeling_kernels.py \
       tests/test_mamba_inner_triton.py tests/test_ssd.py tests/test_mamba2.py tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
     tests_status=${PIPESTATUS[0]}
     python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
@@ -65,8 +66,9 @@ case "${1:-kernels}" in
     # results nor loses its own report when the call's limit comes.
     status=0
     echo "$runner" >> "$OUT/pytest_vllm.log"  # a saved log says which model runner its engines ran on
-    tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py tests/test_vllm_ssm_metadata.py \
-            tests/test_vllm.py ${2:+-k "$2"} | grep '::')
+    tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py \
+            tests/test_vllm_mamba2_triton_path.py tests/test_vllm_ssm_metadata.py tests/test_vllm.py ${2:+-k "$2"} \
+            | grep '::')
     if [[ -z $tests ]]; then
       echo "no vLLM test collected: is vLLM staged and importable?" >&2
       exit 1

@@ -18,7 +18,8 @@ pip=("$venv/bin/python" -m pip install -q)
 # vLLM's multimodal imports pull torchvision/torchaudio/torchcodec built for the CUDA torch, which break Transformers'
 # imports beside torch 2.13+cpu; neither the model nor the plugin uses them.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-vllm_tests=(tests/test_vllm.py tests/test_vllm_triton_path.py tests/test_vllm_ssm_metadata.py tests/test_convert.py
+vllm_tests=(tests/test_vllm.py tests/test_vllm_triton_path.py tests/test_vllm_mamba2_triton_path.py
+            tests/test_vllm_ssm_metadata.py tests/test_convert.py
             tests/test_engine_start.py tests/test_serving_load.py tests/test_causal_conv1d_triton.py
             tests/test_selective_scan_triton.py tests/vllm_ops)
 "$venv/bin/python" -c "import vllm, transformers, torch; print('current stack:', 'vllm', vllm.__version__, \

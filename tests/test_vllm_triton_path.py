@@ -6,7 +6,6 @@ the slicing of vLLM's metadata into decode and prefill parts is what this checks
 
 import contextlib
 import dataclasses
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +14,9 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
-from conftest import compiled_variants, tiny_config  # noqa: E402
+from conftest import compiled_variants, tiny_config, vllm_tensor_parallel_one
 
-from vllm_integration.ops import paged_window_attention_ref  # noqa: E402
+from vllm_integration.ops import paged_window_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, KVH, D, W, BLOCK = 4, 2, 16, 8, 16  # heads, kv heads, head dim, window, KV block size
@@ -29,16 +28,11 @@ NUM_SLOTS, NUM_BLOCKS = 8, 12
 def branch():
     """A real `Mamba1Branch` (vLLM linear layers, tensor parallel 1) with random weights."""
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from vllm_integration.history import Mamba1Branch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-        initialize_model_parallel(1)
+        vllm_tensor_parallel_one()
         config = tiny_config(ssm_intermediate_size=E, ssm_state_size=N, ssm_conv_kernel_size=K, ssm_dt_rank=R)
         ssm = Mamba1Branch(config, prefix="model.layers.0.self_attn.attn.ssm")
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,7 @@
 """vLLM metadata for tests, made by vLLM's own types and builders (not typed by hand): the common attention metadata
 of a batch (for an SSM state group, and its per-group copy for an attention group), SSM state metadata from a state
-builder (the hybrid's or Mamba-1's) and attention metadata from an attention builder (the hybrid's Triton one)."""
+builder (the hybrid's, its Mamba-2 one, or Mamba-1's) and attention metadata from an attention builder (the
+hybrid's Triton one)."""
 
 import tempfile
 
@@ -12,16 +13,21 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 
-def ssm_metadata_builder(builder_cls, state_shapes, layer_name="layer", device="cpu", max_graph_rows=8):
-    """A state-metadata builder of `builder_cls` for Mamba-1-shaped fp32 states ((conv shape), (ssm shape)), with
-    decode graphs of up to `max_graph_rows` rows on every platform (vLLM's defaults differ per device)."""
-    config = VllmConfig()
+def ssm_metadata_builder(
+    builder_cls, state_shapes, layer_name="layer", device="cpu", max_graph_rows=8, hf_config=None
+):  # fmt: skip
+    """A state-metadata builder of `builder_cls` for fp32 states ((conv shape), (ssm shape)), with decode graphs of
+    up to `max_graph_rows` rows on every platform (vLLM's defaults differ per device). With `hf_config` (a
+    `HybridConfig` naming its architecture) the builder's vLLM config holds the model's config, as the Mamba-2
+    builder needs (its chunk size), and the spec has Mamba-2's layout when the config's `ssm_type` says so."""
+    config = VllmConfig() if hf_config is None else model_vllm_config(hf_config, max_graph_rows)
     config.compilation_config.max_cudagraph_capture_size = max_graph_rows
+    mamba2 = hf_config is not None and hf_config.ssm_type == "mamba2"
     spec = MambaSpec(
         block_size=16,
         shapes=state_shapes,
         dtypes=(torch.float32, torch.float32),
-        mamba_type=MambaAttentionBackendEnum.MAMBA1,
+        mamba_type=MambaAttentionBackendEnum.MAMBA2 if mamba2 else MambaAttentionBackendEnum.MAMBA1,
     )
     with set_current_vllm_config(config):
         return builder_cls(spec, [layer_name], config, torch.device(device))
@@ -34,21 +40,10 @@ def attention_metadata_builder(
     block) of the hybrid model that `hf_config` (a `HybridConfig` naming its architecture) describes, decode graphs
     as in `ssm_metadata_builder`.
 
-    vLLM's Triton builder reads the query and KV head counts and the head size from the `ModelConfig`, which vLLM
-    makes from a model directory only: `hf_config` is saved to a temporary one (config.json alone: no weights, no
-    tokenizer) and read back as `vllm serve` reads it, the architecture resolved through vLLM's registry once the
-    plugin (installed with the project) is loaded. The builder itself runs no platform check, so on CPU too it is
-    the one CUDA serves with. Prefix caching is off (with it vLLM puts the hybrid's state groups in its "align"
-    mode), as the one-column state block tables here assume."""
-    load_general_plugins()
-    with tempfile.TemporaryDirectory() as model_dir:
-        hf_config.save_pretrained(model_dir)
-        model_config = ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32")
-        config = VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(enable_prefix_caching=False),
-            compilation_config=CompilationConfig(max_cudagraph_capture_size=max_graph_rows),  # capture sizes from it
-        )
+    vLLM's Triton builder reads the query and KV head counts and the head size from the `ModelConfig`
+    (`model_vllm_config`). The builder itself runs no platform check, so on CPU too it is the one CUDA serves with."""
+    config = model_vllm_config(hf_config, max_graph_rows)
+    model_config = config.model_config
     spec = SlidingWindowSpec(
         block_size=block_size,
         num_kv_heads=model_config.get_num_kv_heads(config.parallel_config),
@@ -58,6 +53,22 @@ def attention_metadata_builder(
     )
     with set_current_vllm_config(config):
         return builder_cls(spec, [layer_name], config, torch.device(device))
+
+
+def model_vllm_config(hf_config, max_graph_rows=8) -> VllmConfig:
+    """A vLLM config for the hybrid model `hf_config` describes (fp32, decode graphs of up to `max_graph_rows` rows),
+    its `ModelConfig` made as `vllm serve` makes it, which vLLM does from a model directory only: `hf_config` is saved
+    to a temporary one (config.json alone: no weights, no tokenizer) and read back, the architecture resolved through
+    vLLM's registry once the plugin (installed with the project) is loaded. Prefix caching is off (with it vLLM puts
+    the hybrid's state groups in its "align" mode), as the one-column state block tables here assume."""
+    load_general_plugins()
+    with tempfile.TemporaryDirectory() as model_dir:
+        hf_config.save_pretrained(model_dir)
+        return VllmConfig(
+            model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="float32"),
+            cache_config=CacheConfig(enable_prefix_caching=False),
+            compilation_config=CompilationConfig(max_cudagraph_capture_size=max_graph_rows),  # capture sizes from it
+        )
 
 
 def common_metadata(seq_lens, query_lens, is_prefilling, state_blocks, device="cpu") -> CommonAttentionMetadata:

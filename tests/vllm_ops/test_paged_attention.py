@@ -111,6 +111,13 @@ def test_fp8_cache_matches_reference(attention, dtype):
     check(attention, batch, 11, **scales)
 
 
+def test_padding_rows_of_a_replayed_decode_graph_are_zeros(attention):
+    """vLLM pads a replayed decode graph with one-token rows of seq_len 0 (no key to attend to): zeros, as the
+    reference gives them, where a softmax over no key would be 0 / 0 (the Mamba-2 branch's decodes run this kernel)."""
+    batch = make_batch([(23, 1), (50, 1), (0, 1), (0, 1)], 4, 2, 16, 16, 9, torch.float32, seed=5)
+    check(attention, batch, 9)
+
+
 def test_permuted_and_shared_tables_and_int64_metadata(attention):
     """A non-contiguous table view (every other row of a bigger table) and int64 metadata."""
     query, key_cache, value_cache, block_table, query_start_loc, seq_lens = make_batch(

@@ -19,6 +19,11 @@ class ServedHistoryBranch(MambaBase, nn.Module):
     """The base of each kind's layer (history/__init__.py lists what a kind adds): registration, the state's dtypes,
     copy functions and views, and the metadata backend."""
 
+    # Whether `triton_ops` takes the decodes' window attention to fuse into its decode step (Mamba-1's
+    # `triton_ops(fused_decode_attention)`); otherwise it takes the step's metadata and the attention backend runs the
+    # decodes' attention on its own (Mamba-2's `triton_ops(metadata)`).
+    fuses_decode_attention = False
+
     def __init__(self, config: HybridConfig, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()
@@ -71,6 +76,10 @@ class ServedHistoryBranch(MambaBase, nn.Module):
                 metadata.state_indices_tensor_p, metadata.has_initial_states_p, "silu", out[prefill],
             )  # fmt: skip
         return out
+
+    def warm_up_triton_ops(self, branch_input: torch.Tensor) -> None:
+        """Runs once, in vLLM's profiling run on CUDA (before the caches are allocated), whatever the CUDA op set
+        tunes on its first use; `branch_input` is the profiling batch's. Our own kernels tune nothing."""
 
     def get_state_shape(self):
         return self.state_shapes(self.config, self.tp_size)

@@ -64,6 +64,7 @@ class Mamba1Branch(ServedHistoryBranch):
     """
 
     reference_ops = REFERENCE_OPS
+    fuses_decode_attention = True
 
     def __init__(self, config: HybridConfig, cache_config: CacheConfig | None = None, prefix: str = ""):
         super().__init__(config, cache_config, prefix)

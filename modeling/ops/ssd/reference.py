@@ -8,8 +8,9 @@ of heads sharing B and C (head h reads group h // (H / G)), N state size, L chun
 The recurrence (docs/DESIGN.md, "Mamba-2"), per head h of a sequence, with one decay per head and step:
     state_t = exp(dt_t[h] * A[h]) * state_{t-1} + dt_t[h] * x_t[h][:, None] * B_t[g(h)][None, :]     [P, N]
     y_t[h]  = state_t @ C_t[g(h)] + D[h] * x_t[h]                                                     [P]
-dt is the step after its bias and softplus (>= 0; 0 leaves the state as it was: padding). The state is fp32; the
-output is in x's dtype. A packed row (`seq_idx`) starts each of its sequences from a zero state; the first one
+dt is the step after its bias and softplus (>= 0; 0 leaves the state as it was: padding); the serving references
+(`ssd_state_update_ref`, `ssd_varlen_scan_ref`) also take the raw dt with `dt_bias` and `dt_softplus`, as the kernels
+vLLM serves with do (the selective scan's rule, `dt_step`). The state is fp32; the output is in x's dtype. A packed row (`seq_idx`) starts each of its sequences from a zero state; the first one
 continues `initial_state`.
 """
 
@@ -17,6 +18,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from ..selective_scan.reference import dt_step
 
 
 def _heads_per_group(num_heads: int, B: torch.Tensor) -> int:
@@ -151,11 +154,16 @@ def ssd_state_update_ref(
     D: torch.Tensor,
     state_indices: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step per request, its state slot updated in place. state_cache [slots, H, P, N], x [R, H, P],
-    dt [R, H], B and C [R, G, N]; state_indices [R] (None: request i owns slot i); has_initial_state [R] bool (False:
-    the request's first token, from a zero state whatever its slot holds; None: every request continues). Tensor code,
-    no branch on the values. Returns y [R, H, P] in x's dtype."""
+    dt [R, H] (the step, or see dt_bias [H] / dt_softplus: `dt_step`), B and C [R, G, N]; state_indices [R] (None:
+    request i owns slot i); has_initial_state [R] bool (False: the request's first token, from a zero state whatever
+    its slot holds; None: every request continues). Tensor code, no branch on the values. Returns y [R, H, P] in x's
+    dtype (written into `out` when given)."""
     repeat = _heads_per_group(x.shape[1], B[:, None])
     Bh = B.float().repeat_interleave(repeat, dim=1)  # [R, H, N]
     Ch = C.float().repeat_interleave(repeat, dim=1)
@@ -163,11 +171,14 @@ def ssd_state_update_ref(
     state = state_cache[rows].float()
     if has_initial_state is not None:
         state = state * has_initial_state[:, None, None, None].to(state.dtype)
-    decay = torch.exp(dt.float() * A.float())  # [R, H]
-    state = decay[..., None, None] * state + (x.float() * dt.float()[..., None])[..., None] * Bh[:, :, None]
+    step = dt_step(dt, dt_bias, dt_softplus)  # [R, H]
+    decay = torch.exp(step * A.float())
+    state = decay[..., None, None] * state + (x.float() * step[..., None])[..., None] * Bh[:, :, None]
     state_cache[rows] = state.to(state_cache.dtype)
     y = torch.einsum("rhpn,rhn->rhp", state, Ch) + D.float()[:, None] * x.float()
-    return y.to(x.dtype)
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)
 
 
 def ssd_varlen_scan_ref(
@@ -183,12 +194,17 @@ def ssd_varlen_scan_ref(
     has_initial_state: torch.Tensor,
     chunk_size: int,
     out: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
 ) -> torch.Tensor:
     """Packed prefills, each continuing from (or starting) its state slot and leaving its final state there; a loop
-    over sequences of `ssd_chunk_scan_ref`. x [T, H, P], dt [T, H], B and C [T, G, N], state_cache [slots, H, P, N],
-    cu_seqlens [S+1] (sequence s owns rows cu[s]..cu[s+1]-1), state_indices [S], has_initial_state [S] bool.
-    Returns out [T, H, P] in x's dtype (rows past cu_seqlens[-1] are left as they were)."""
+    over sequences of `ssd_chunk_scan_ref`. x [T, H, P], dt [T, H] (the step, or see dt_bias [H] / dt_softplus:
+    `dt_step`), B and C [T, G, N], state_cache [slots, H, P, N], cu_seqlens [S+1] (sequence s owns rows
+    cu[s]..cu[s+1]-1), state_indices [S], has_initial_state [S] bool. Returns out [T, H, P] in x's dtype (rows past
+    cu_seqlens[-1] are left as they were)."""
     out = torch.empty_like(x) if out is None else out
+    dt = dt_step(dt, dt_bias, dt_softplus)
     bounds = cu_seqlens.tolist()
     for s, (start, end) in enumerate(itertools.pairwise(bounds)):
         slot = int(state_indices[s])

@@ -108,7 +108,8 @@ def paged_window_attention(
         block_q, block_keys, num_warps, num_stages: launch configuration overrides (`_pick_blocks` fills the rest):
             queries per program, keys per tile.
 
-    Returns out: attention rows for every query; rows past query_start_loc[S] (CUDA-graph padding) are zeros.
+    Returns out: attention rows for every query; rows past query_start_loc[S] (CUDA-graph padding) are zeros, as
+    are the rows of sequences with seq_len 0 (the one-token rows that pad a replayed decode graph).
     No host synchronisation: safe to capture in a CUDA graph.
     """
     num_tokens, num_heads, head_dim = query.shape

@@ -147,6 +147,7 @@ def _paged_window_attention_kernel(
     if p_v_scale is not None:  # an fp8 cache holds V / v_scale
         b_acc = b_acc * tl.load(p_v_scale)
 
-    # 5. Output rows (zeros for the CUDA-graph padding rows this block covers).
-    b_o = tl.where(m_row[:, None], b_acc / b_l[:, None], 0.0)
+    # 5. Output rows (zeros for the CUDA-graph padding rows this block covers, and for rows that saw no key: the
+    #    one-token rows of seq_len 0 that pad a replayed decode graph, where l is 0).
+    b_o = tl.where(m_row[:, None] & (b_l[:, None] > 0), b_acc / b_l[:, None], 0.0)
     tl.store(p_o_rows, b_o.to(p_o.dtype.element_ty), mask=(m_row | m_pad_row)[:, None] & m_d[None, :])

@@ -51,7 +51,8 @@ def paged_window_attention_ref(
             `kv_cache_dtype="fp8"`); None: 1.
 
     Returns:
-        out [T, H, D] in query's dtype. Rows past query_start_loc[S] (CUDA-graph padding tokens) are zeros.
+        out [T, H, D] in query's dtype. Rows past query_start_loc[S] (CUDA-graph padding tokens) are zeros, as are
+        the rows of sequences with seq_len 0 (no key: the one-token rows that pad a replayed decode graph).
     """
     group = query.shape[1] // key_cache.shape[2]  # query heads per kv head
     if out is None:
