@@ -35,6 +35,10 @@ from torch import Tensor
 
 from ..triton_utils import softplus, stride_args
 
+# Steps between the training forward's saved states (the backward's recompute checkpoints): the default of
+# `pick_scan_blocks`, and the one value serving's launches pass, where nothing is saved.
+SEGMENT_STEPS = 64
+
 if TYPE_CHECKING:
     from .interface import ScanBlocks
 
@@ -383,7 +387,7 @@ def launch_selective_scan_fwd(
         "HAS_H0": initial_state is not None,
         # Read only where segment checkpoints are saved (training): serving's launches keep one value, so that one
         # compiled variant serves every chunk length.
-        "SEG": blocks.seg if seg_states is not None else 64,
+        "SEG": blocks.seg if seg_states is not None else SEGMENT_STEPS,
         "UNROLL": blocks.unroll,
     }
     grid = (num_seqs, triton.cdiv(num_channels, blocks.block_e), num_chunks)

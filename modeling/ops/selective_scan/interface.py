@@ -21,7 +21,7 @@ import triton
 from ..triton_utils import check_flags, check_index, check_tokens
 from .backward import launch_selective_scan_bwd
 from .decode import _selective_state_update_kernel, pick_state_update_block_e, state_update_args
-from .forward import launch_selective_scan_fwd
+from .forward import SEGMENT_STEPS, launch_selective_scan_fwd
 
 
 class ScanBlocks(NamedTuple):
@@ -63,7 +63,7 @@ def pick_scan_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_s
     blocks = ScanBlocks(
         block_e=block_e,
         chunk=chunk,
-        seg=min(overrides.get("seg") or 64, chunk),
+        seg=min(overrides.get("seg") or SEGMENT_STEPS, chunk),
         unroll=overrides.get("unroll") or 1,
         num_warps=overrides.get("num_warps") or max(1, min(8, block_e * block_n // 512)),
         bwd_num_warps=overrides.get("bwd_num_warps") or max(1, min(8, bwd_block_e * block_n // 512)),
