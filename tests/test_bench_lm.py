@@ -35,7 +35,7 @@ from tools.lm_benchmark.evaluation import (
     token_losses,
 )
 from tools.lm_benchmark.models import SMOKE_SHAPE, Shape, build_model
-from tools.lm_benchmark.retrieval_data import TRAINING_FORMATS, WithSyntheticRetrievals
+from tools.lm_benchmark.retrieval_data import TRAINING_FORMATS, WithSyntheticRetrievals, training_format_probes
 from tools.lm_benchmark.tokens import PackedSequences
 from tools.lm_benchmark.tokens import EOS, encode_files, train_tokenizer
 
@@ -392,6 +392,29 @@ def test_synthetic_retrievals_in_the_training_sequences(code_tokenizer_and_files
         WithSyntheticRetrievals(packed, tokenizer, share=1.0, min_gap=2100, max_gap=2100)[0]
 
 
+def test_training_format_probes_ask_what_the_data_lever_teaches(code_tokenizer_and_files):
+    """The probes of the data lever's own kind: an assignment in one of the training formats, the filler, the use line
+    up to the value; keys and values of the training pairs' kind, never the evaluation probes' formats."""
+    tokenizer, files = code_tokenizer_and_files
+    probes = training_format_probes(tokenizer, files, distance=60, count=12, seed=0)
+    patterns = [
+        (re.escape(a).replace(r"\{key\}", r"(\w+)").replace(r"\{value\}", r"([\w-]+)"), u.split("{value}")[0])
+        for a, u in TRAINING_FORMATS
+    ]
+    used_formats = set()
+    for probe in probes:
+        assert len(probe.filler) == 60
+        assignment, question, value = (tokenizer.decode(p) for p in (probe.assignment, probe.question, probe.value))
+        (index, key), = [(i, m.group(1)) for i, (a, _) in enumerate(patterns) if (m := re.fullmatch(a, assignment))]
+        assert assignment == TRAINING_FORMATS[index][0].format(key=key, value=value)
+        assert question == patterns[index][1].format(key=key)
+        assert re.fullmatch(r"[a-z]+[A-Z][a-z]+[0-9]", key) and re.fullmatch(r"[a-z]{6}-[0-9]{3}", value)
+        assert not any(question == q.format(key=key) for _, q in RETRIEVAL_FORMATS)
+        used_formats.add(index)
+    assert used_formats == set(range(len(TRAINING_FORMATS)))
+    assert probes == training_format_probes(tokenizer, files, distance=60, count=12, seed=0)  # fixed for every model
+
+
 def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     tokenizer, _ = code_tokenizer_and_files
     shape = Shape(
@@ -480,6 +503,10 @@ def test_smoke_runs_a_lever_study(tmp_path, capsys):
     assert result["config_overrides"] == {"ssm_dt_min": 0.0001, "ssm_branch_norm": True} and result["tag"] == "levers"
     assert result["short_window"] == {"window": 4, "probability": 0.5, "until": 0.85}
     assert result["retrieval_data_share"] == 1.0
+    window = result["shape"]["window"]  # the trained gaps: 2W up to half the smoke shape's 8W sequence
+    assert list(result["eval"]["retrieval_training_formats"]) == [f"2W ({2 * window})", f"4W ({4 * window})"]
+    for score in result["eval"]["retrieval_training_formats"].values():
+        assert score["retrieved"] == pytest.approx(score["logprob"] - score["logprob_without_assignment"], abs=2e-4)
     assert "| hybrid [levers] |" in capsys.readouterr().out
 
 

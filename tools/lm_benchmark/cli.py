@@ -61,7 +61,7 @@ from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
 from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
 from .report import plot, plot_decision, print_table
-from .retrieval_data import WithSyntheticRetrievals
+from .retrieval_data import WithSyntheticRetrievals, training_format_retrieval
 from .timed_training import probe_seconds_per_step, train_model
 from .tokens import PackedSequences, TokenizedCorpus, prepare_data
 
@@ -78,8 +78,8 @@ def ssm_state_bytes(model) -> int | None:
 def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
     """Builds, trains (`upcycled`: not) and evaluates one model; returns its results, as `results-KIND.json` holds them."""
     dataset = PackedSequences(data.train, shape.context)
-    if args.retrieval_data_share:  # gaps of 2W-8W tokens, at most half a sequence (the smoke shape's T is 8W)
-        max_gap = min(8 * shape.window, shape.context // 2)
+    max_gap = min(8 * shape.window, shape.context // 2)  # the data lever's gaps: 2W-8W, at most half a sequence
+    if args.retrieval_data_share:
         dataset = WithSyntheticRetrievals(
             dataset, data.tokenizer, args.retrieval_data_share, min(2 * shape.window, max_gap), max_gap, args.seed
         )
@@ -100,6 +100,9 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     if kind == "full":  # the teacher of the upcycled models
         model.save_pretrained(teacher_dir(args))
         data.tokenizer.save_pretrained(teacher_dir(args))
+    evaluation = evaluate(model, data, shape, args)
+    if args.retrieval_data_share and args.retrieval_probes:
+        evaluation["retrieval_training_formats"] = training_format_retrieval(model, data, shape, args, max_gap)
     distillation = {}
     if extra:
         distillation = {"teacher": str(teacher_dir(args)), "mode": args.distill_mode, "learning_rate": args.distill_lr}
@@ -119,7 +122,7 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
         else {"window": args.short_window, "probability": args.short_window_prob, "until": args.short_window_until},
         "distillation": distillation,
         "train": training,
-        "eval": evaluate(model, data, shape, args),
+        "eval": evaluation,
         "corpus": data.stats,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,

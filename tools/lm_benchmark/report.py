@@ -71,23 +71,25 @@ def print_table(results: list[dict]) -> None:
             ]
             print(f"| {label(r)} | " + " | ".join(cells) + " |")
     print_retrieval(results)
+    print_retrieval(results, "retrieval_training_formats")
     print_repeated_bigrams(results)
     print_decision(results)
     print_gap_recovered(results)
 
 
-def print_retrieval(results: list[dict]) -> None:
+def print_retrieval(results: list[dict], key: str = "retrieval") -> None:
     """Per distance, the value's log-probability per token with the assignment minus without it (nats: what the
-    model retrieved)."""
-    with_retrieval = [r for r in results if r["eval"].get("retrieval")]
+    model retrieved); `key` "retrieval_training_formats": the probes drawn as the data lever's training pairs."""
+    with_retrieval = [r for r in results if r["eval"].get(key)]
     if not with_retrieval:
         return
-    distances = list(with_retrieval[0]["eval"]["retrieval"])
-    print("\ngraded retrieval: the value's log-prob per token with its assignment minus without (nats), by distance")
+    distances = list(with_retrieval[0]["eval"][key])
+    kind = " in the data lever's training formats" if key != "retrieval" else ""
+    print(f"\ngraded retrieval{kind}: the value's log-prob per token with its assignment minus without (nats)")
     print("| model | " + " | ".join(distances) + " |")
     print("|" + "---|" * (len(distances) + 1))
     for r in with_retrieval:
-        cells = [_retrieved(r, d) for d in distances]
+        cells = [_retrieved(r, d, key) for d in distances]
         print(f"| {label(r)} | " + " | ".join(cells) + " |")
 
 
@@ -132,8 +134,8 @@ def print_decision(results: list[dict]) -> None:
         print(f"| {label(r)} | {_loss(gain)} | {share} | {guard:+.4f} | " + " | ".join(cells) + " |")
 
 
-def _retrieved(result: dict, distance: str) -> str:
-    score = result["eval"].get("retrieval", {}).get(distance)
+def _retrieved(result: dict, distance: str, key: str = "retrieval") -> str:
+    score = result["eval"].get(key, {}).get(distance)
     return "-" if score is None else f"{score['retrieved']:+.3f}"
 
 

@@ -11,7 +11,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .evaluation import random_word
+from .evaluation import (
+    PROBE_SEED,
+    RETRIEVAL_DISTANCES,
+    RetrievalProbe,
+    code_fillers,
+    random_word,
+    retrieval_score,
+)
 from .tokens import PackedSequences
 
 # (assignment, use): the use line ends with the value, which the model must fetch from the assignment.
@@ -73,10 +80,48 @@ class WithSyntheticRetrievals(Dataset):
         return [(start, assignment), (start + len(assignment) + gap, use)]
 
     def retrieval(self, generator) -> tuple[list[int], list[int]]:
-        """The tokens of one (assignment, use) pair: a camelCase key with a digit (`kodaSemir3`), a value of a word,
-        a dash and three digits (`tavemo-417`), in one of `TRAINING_FORMATS`."""
-        assignment, use = TRAINING_FORMATS[int(generator.integers(len(TRAINING_FORMATS)))]
-        key = random_word(generator, 2) + random_word(generator, 2).capitalize() + str(generator.integers(10))
-        value = f"{random_word(generator, 3)}-{generator.integers(100, 1000)}"
+        """The tokens of one (assignment, use) pair drawn by `draw_retrieval`."""
+        (assignment, use), key, value = draw_retrieval(generator)
         encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
         return encode(assignment.format(key=key, value=value)), encode(use.format(key=key, value=value))
+
+
+def draw_retrieval(generator) -> tuple[tuple[str, str], str, str]:
+    """One of `TRAINING_FORMATS`, a camelCase key with a digit (`kodaSemir3`) and a value of a word, a dash and three
+    digits (`tavemo-417`)."""
+    formats = TRAINING_FORMATS[int(generator.integers(len(TRAINING_FORMATS)))]
+    key = random_word(generator, 2) + random_word(generator, 2).capitalize() + str(generator.integers(10))
+    value = f"{random_word(generator, 3)}-{generator.integers(100, 1000)}"
+    return formats, key, value
+
+
+def training_format_probes(
+    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+) -> list[RetrievalProbe]:
+    """Graded retrieval probes drawn as the data lever draws its training pairs (formats, keys and values: none of them
+    seen in training, only their kind): whether a run learned what it was taught, beside the evaluation's own probes,
+    which ask whether that transfers. The question is the use line up to its value."""
+    generator = np.random.default_rng(20_000 + seed + distance)
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    probes = []
+    for filler in code_fillers(tokenizer, validation, distance, count, generator):
+        (assignment, use), key, value = draw_retrieval(generator)
+        question = use.split("{value}")[0].format(key=key)
+        probes.append(
+            RetrievalProbe(encode(assignment.format(key=key, value=value)), filler, encode(question), encode(value))
+        )
+    return probes
+
+
+def training_format_retrieval(model, data, shape, args, max_gap: int) -> dict:
+    """`retrieval_score` of `training_format_probes` at the evaluation's distances from 2W to `max_gap` (the gaps the
+    data lever trains), keyed as the evaluation's retrieval."""
+    scores = {}
+    for multiple in RETRIEVAL_DISTANCES:
+        distance = int(multiple * shape.window)
+        if 2 * shape.window <= distance <= max_gap:
+            probes = training_format_probes(
+                data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED
+            )
+            scores[f"{multiple:g}W ({distance})"] = retrieval_score(model, probes, args.eval_batch_size)
+    return scores
