@@ -27,10 +27,9 @@ from test_vllm_triton_path import (
     W,
     host_syncs_raise,
     mixed_step,
+    reference_path,
     uniform_decode_step,
 )
-
-from vllm_integration.ops import paged_window_attention_ref
 
 CONFIG = dict(MAMBA2_BRANCH, num_attention_heads=H, num_key_value_heads=KVH, head_dim=D, sliding_window=W)
 E = MAMBA2_BRANCH["ssm_intermediate_size"]
@@ -175,16 +174,9 @@ def test_vllm_kernels_path_matches_the_reference_path(vllm_mamba2_kernels, branc
         )  # fmt: skip
     kernel_states = branch.kv_cache
 
-    # The reference path: every request through the paged attention reference, the branch on the references.
-    branch.kv_cache = tuple(s.clone() for s in states)
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
-    expected = paged_window_attention_ref(
-        query, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-        attn_metadata.seq_lens, D**-0.5, W, torch.empty_like(output),
-    )  # fmt: skip
-    expected_ssm = torch.empty_like(ssm_output)
-    with torch.no_grad():
-        branch.forward(in_proj_output, expected_ssm, reference_metadata, branch.reference_ops)
+    expected, expected_ssm = reference_path(
+        branch, states, kv_cache, query, in_proj_output, attn_metadata, reference_metadata, output, ssm_output
+    )
 
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ssm_output, expected_ssm, atol=TOL, rtol=TOL)

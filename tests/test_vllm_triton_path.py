@@ -109,6 +109,24 @@ def step_metadata(builders, seq_lens, q_lens, slots, g):
     return attention, hybrid, mamba1, sum(q_lens)
 
 
+def reference_path(
+    branch, states, kv_cache, query, branch_input, attn_metadata, reference_metadata, output, ssm_output
+):
+    """The step on the reference path, from the branch's state slots `states` as they were before it: every request
+    through the paged attention reference, the branch on its PyTorch references (`branch.kv_cache` then holds the
+    slots they wrote). Returns the expected (attention output, branch output), shaped as `output`, `ssm_output`."""
+    branch.kv_cache = tuple(s.clone() for s in states)
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
+    expected = paged_window_attention_ref(
+        query, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
+        attn_metadata.seq_lens, D**-0.5, W, torch.empty_like(output),
+    )  # fmt: skip
+    expected_ssm = torch.empty_like(ssm_output)
+    with torch.no_grad():
+        branch.forward(branch_input, expected_ssm, reference_metadata, branch.reference_ops)
+    return expected, expected_ssm
+
+
 def mixed_step(builders, g):
     """In Model Runner V2's order (one-token rows first): decodes of slots 3 and 1 with a new one-token prompt into
     slot 5 between them, then a chunked prefill continuing slot 6 (9 tokens cached, 7 new) and a fresh prefill of 11
@@ -195,16 +213,9 @@ def test_triton_serving_path_matches_the_reference_path(branch, metadata_builder
     assert len(decode_counters) == 1 and decode_counters[0] is split_counters, "no persistent split-K counters"
     assert scan_lengths == ([11] if ssm_metadata.num_prefills else []), scan_lengths
 
-    # The reference path: every request through the paged attention reference, the SSM on the PyTorch references.
-    branch.kv_cache = tuple(s.clone() for s in states)
-    key_cache, value_cache = kv_cache.transpose(1, 2).split(D, dim=-1)
-    expected = paged_window_attention_ref(
-        query, key_cache, value_cache, attn_metadata.block_table, attn_metadata.query_start_loc,
-        attn_metadata.seq_lens, D**-0.5, W, torch.empty_like(output),
-    )  # fmt: skip
-    expected_ssm = torch.empty_like(ssm_output)
-    with torch.no_grad():
-        branch.forward(xz, expected_ssm, reference_metadata, branch.reference_ops)
+    expected, expected_ssm = reference_path(
+        branch, states, kv_cache, query, xz, attn_metadata, reference_metadata, output, ssm_output
+    )
 
     torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(ssm_output, expected_ssm, atol=1e-4, rtol=1e-4)
