@@ -126,7 +126,17 @@ def serving_attention_kernels():
         )  # fmt: skip
 
 
-CASES = (model_training_and_decode_steps, serving_ssm_kernels, serving_attention_kernels)
+def serving_state_kernels():
+    """The first-token decode rows' state slots zeroed (Mamba-2's decodes on vLLM's kernels): an fp32 ssm state and a
+    bf16 conv state in vLLM's transposed layout."""
+    from vllm_integration.ops.zero_states.interface import zero_new_states_
+
+    indices, has_initial_state = torch.tensor([3, 0, 1], dtype=torch.int32), torch.tensor([True, False, True])
+    zero_new_states_(torch.randn(5, 4, 8, 16), indices, has_initial_state, 0)
+    zero_new_states_(torch.randn(5, 3, 40, dtype=torch.bfloat16).transpose(1, 2), indices, has_initial_state, 0)
+
+
+CASES = (model_training_and_decode_steps, serving_ssm_kernels, serving_attention_kernels, serving_state_kernels)
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead_of_launching
