@@ -10,8 +10,8 @@ The recurrence (docs/DESIGN.md, "Mamba-2"), per head h of a sequence, with one d
     y_t[h]  = state_t @ C_t[g(h)] + D[h] * x_t[h]                                                     [P]
 dt is the step after its bias and softplus (>= 0; 0 leaves the state as it was: padding); the serving references
 (`ssd_state_update_ref`, `ssd_varlen_scan_ref`) also take the raw dt with `dt_bias` and `dt_softplus`, as the kernels
-vLLM serves with do (the selective scan's rule, `dt_step`). The state is fp32; the output is in x's dtype. A packed row (`seq_idx`) starts each of its sequences from a zero state; the first one
-continues `initial_state`.
+vLLM serves with do (the selective scan's rule, `dt_step`). The state is fp32; the output is in x's dtype. A packed
+row (`seq_idx`) starts each of its sequences from a zero state; the first one continues `initial_state`.
 """
 
 import itertools
