@@ -87,7 +87,7 @@ case "${1:-kernels}" in
   steps)
     shift
     # One SSM branch's training step: host work on the fused op and on the module path, side by side.
-    python3 scripts/bench_host_work.py --json "$OUT/host_work.json" 2>&1 | tee "$OUT/host_work.log"
+    python3 scripts/bench_host_work.py --python-profile 30 --json "$OUT/host_work.json" 2>&1 | tee "$OUT/host_work.log"
     python3 scripts/bisect_train_step.py . "$@" --swa-tree . --rounds "${STEP_ROUNDS:-3}" --profile-trees . \
       --budget-s "${STEP_BUDGET_S:-200}" --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -12
     train_status=${PIPESTATUS[0]}
