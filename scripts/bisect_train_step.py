@@ -15,6 +15,8 @@ memory, and how long the host takes to issue a step (about the step's wall time 
 adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
 tree, one profiled step: its top CUDA kernels and its host syncs; `--sync-sites` lists where each tree's hybrid and
 SSM-off steps make the host wait for the GPU (PyTorch's sync debug mode, with the Python stack of each).
+`--compile` runs every model under `torch.compile` (as `Trainer(torch_compile=True)` does), with the time its first
+step took to compile and the graph breaks Dynamo met.
 """
 
 import argparse
@@ -109,8 +111,9 @@ def sync_sites(step) -> dict[str, int]:
     return dict(sites.most_common())
 
 
-def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False) -> dict:
-    """One tree's step, in this process (the tree first on sys.path)."""
+def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False) -> dict:
+    """One tree's step, in this process (the tree first on sys.path); `compile`: the model under `torch.compile`
+    (its default mode; its first step compiles, timed apart), as `Trainer(torch_compile=True)` runs it."""
     import torch
 
     import modeling
@@ -125,7 +128,14 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
         model = HybridForCausalLM(HybridConfig(**CONFIG, use_ssm_branch=use_ssm_branch)).to(torch.bfloat16)
     model.set_attn_implementation("sdpa")
     model.train()
+    if compile:
+        model.forward = torch.compile(model.forward)
     step = training_step(model, batch_size=2, seq_len=4096)
+    if compile:
+        started = time.perf_counter()
+        step()  # compiles the forward and the backward
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - started
     times = step_times_ms(step, steps)
     result = {
         "step_ms": statistics.median(times),
@@ -134,6 +144,12 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
         "host_ms": statistics.median(host_enqueue_ms(step, steps)),
         "params": sum(p.numel() for p in model.parameters()),
     }
+    if compile:
+        from torch._dynamo.utils import counters
+
+        result["compile_s"] = compile_s
+        result["graph_breaks"] = sum(counters["graph_break"].values())
+        result["graph_break_reasons"] = sorted(counters["graph_break"])[:10]
     if find_syncs:
         result["sync_sites"] = sync_sites(step)
     if profile:
@@ -150,8 +166,11 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
     return result
 
 
-def run_tree(tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False) -> dict:
+def run_tree(
+    tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False
+) -> dict:
     command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
+    command += ["--compile"] if compile else []
     command += [] if use_ssm_branch else ["--no-ssm"]
     command += ["--profile"] if profile else []
     command += ["--sync-sites"] if find_syncs else []
@@ -171,13 +190,16 @@ def main() -> int:
     parser.add_argument("--profile-trees", default="", help="comma-separated trees to profile one step of, once")
     parser.add_argument("--sync-sites", action="store_true", help="list where the trees' steps wait for the GPU")
     parser.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
+    parser.add_argument(
+        "--compile", action="store_true", help="every model under torch.compile (the step times exclude compiling)"
+    )
     parser.add_argument("--json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-ssm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites)))
+        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites, args.compile)))
         return 0
     if args.sync_sites:
         for tree in args.trees:
@@ -208,13 +230,19 @@ def main() -> int:
         for run in runs if round_index % 2 == 0 else runs[::-1]:
             if time.perf_counter() - started > args.budget_s:
                 break
-            result = run_tree(*run, profile=False, steps=args.steps)
+            result = run_tree(*run, profile=False, steps=args.steps, compile=args.compile)
             results[label[run]]["runs"].append(result)
             if "step_ms" in result:
                 results[label[run]]["steps_ms"].append(result["step_ms"])
+            compiled = (
+                f" compiled in {result['compile_s']:.0f} s, {result['graph_breaks']} graph breaks "
+                f"{result['graph_break_reasons']}"
+                if "compile_s" in result
+                else ""
+            )
             print(f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
                   f"(host issues it in {result.get('host_ms', float('nan')):6.1f} ms)  "
-                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}", flush=True)
+                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}{compiled}", flush=True)
             save()
     anchor_times = results[label[runs[-1]]]["steps_ms"] if args.swa_tree else []
     anchor = statistics.median(anchor_times) if anchor_times else None
