@@ -122,7 +122,11 @@ def ssd_chunk_scan_ref(
     y = torch.einsum("bcgrls,bcsgrp->bclgrp", scores, xdt)
 
     # 2. Each chunk's own contribution to the state at its end: sum_j exp(sum_(j, L-1] log_decay) B_j xdt_j.
-    chunk_states = torch.einsum("bcgrl,bclgn,bclgrp->bcgrpn", decay_ij[..., -1, :], Bc, xdt)
+    #    Products of two operands only, here and below: with opt_einsum installed (the CUDA images ship it), a
+    #    three-operand einsum plans its order from concrete sizes, and under torch.compile that pins the batch and the
+    #    number of chunks of every compiled variant.
+    decay_to_end = decay_ij[..., -1, :].permute(0, 1, 4, 2, 3)[..., None]  # [b, c, L, G, R, 1]
+    chunk_states = torch.einsum("bclgn,bclgrp->bcgrpn", Bc, xdt * decay_to_end)
 
     # 3. Across chunks: the state entering chunk c is sum_{k < c} (decay over chunks k+1..c-1) chunk_states[k], plus
     #    the initial state decayed over chunks 0..c-1: a segment sum over the chunks' total log-decays, with the
@@ -137,7 +141,8 @@ def ssd_chunk_scan_ref(
     # Over [0, i]: the decay over (0, i] times the first step's. From decay_ij rather than a cumsum along the chunk,
     # which Inductor's split-scan codegen (torch 2.11) fails to compile at L = 256 with one group.
     decay_from_start = decay_ij[..., 0] * torch.exp(log_decay[..., :1])  # [b, c, G, R, L]
-    y = y + torch.einsum("bclgn,bcgrpn,bcgrl->bclgrp", Cc, entering[:, :-1], decay_from_start)
+    from_state = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, entering[:, :-1])
+    y = y + from_state * decay_from_start.permute(0, 1, 4, 2, 3)[..., None]
 
     y = y.reshape(batch, chunks * chunk_size, num_heads, head_dim)[:, :length]
     y = y + D.float()[:, None] * x.float()
