@@ -6,6 +6,7 @@ passkey probes (exact greedy copies) at distances W/2 .. 16W, and how long the S
 import functools
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -254,28 +255,47 @@ class RetrievalProbe:
     value: list[int]  # the value's tokens, scored
 
 
+def evaluation_probe(generator, index: int) -> tuple[str, str, str]:
+    """(assignment, question, value) of the evaluation's probe number `index`: the formats in turn, an identifier-like
+    key (two pronounceable random words, `kodu_samire`) assigned an identifier-like value (a word and two digits,
+    `tavemo42`)."""
+    assignment, question = RETRIEVAL_FORMATS[index % len(RETRIEVAL_FORMATS)]
+    key = f"{random_word(generator, 2)}_{random_word(generator, 3)}"
+    value = random_word(generator, 3) + "".join(generator.choice(list("0123456789"), size=2))
+    return assignment.format(key=key, value=value), question.format(key=key), value
+
+
 def retrieval_probes(
-    tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
+    tokenizer,
+    validation: list[np.ndarray],
+    distance: int,
+    count: int,
+    seed: int,
+    draw: Callable[[np.random.Generator, int], tuple[str, str, str]] = evaluation_probe,
+    seed_offset: int = 10_000,
 ) -> list[RetrievalProbe]:
-    """`count` probes, the formats in turn: an identifier-like key (two pronounceable random words, `kodu_samire`)
-    assigned an identifier-like value (a word and two digits, `tavemo42`), `distance` tokens of held-out code, then
-    the question."""
-    generator = np.random.default_rng(10_000 + seed + distance)
+    """`count` probes: an assignment, `distance` tokens of held-out code, then the question; `draw(generator, index)`
+    writes each probe's (assignment, question, value), by default the evaluation's own (`evaluation_probe`)."""
+    generator = np.random.default_rng(seed_offset + seed + distance)
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
     probes = []
     for i, filler in enumerate(code_fillers(tokenizer, validation, distance, count, generator)):
-        assignment, question = RETRIEVAL_FORMATS[i % len(RETRIEVAL_FORMATS)]
-        key = f"{random_word(generator, 2)}_{random_word(generator, 3)}"
-        value = random_word(generator, 3) + "".join(generator.choice(list("0123456789"), size=2))
-        encode = functools.partial(tokenizer.encode, add_special_tokens=False)
-        probes.append(
-            RetrievalProbe(
-                encode(assignment.format(key=key, value=value)),
-                filler,
-                encode(question.format(key=key)),
-                encode(value),
-            )
-        )
+        assignment, question, value = draw(generator, i)
+        probes.append(RetrievalProbe(encode(assignment), filler, encode(question), encode(value)))
     return probes
+
+
+def retrieval_by_distance(model, shape, args, multiples, probes_at: Callable[[int], list[RetrievalProbe]]) -> dict:
+    """`retrieval_score` of the probes `probes_at(distance)` makes, for each distance `multiple * W`; keyed "2W (512)",
+    with " >T" where a probe is longer than the training context."""
+    scores = {}
+    for multiple in multiples:
+        distance = int(multiple * shape.window)
+        probes = probes_at(distance)
+        longest = max(len(p.assignment + p.filler + p.question + p.value) for p in probes)
+        key = f"{multiple:g}W ({distance})" + (" >T" if longest > shape.context else "")
+        scores[key] = retrieval_score(model, probes, args.eval_batch_size)
+    return scores
 
 
 @torch.no_grad()
@@ -403,11 +423,10 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
         probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, PROBE_SEED)
         key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
         result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
-    for multiple in RETRIEVAL_DISTANCES if args.retrieval_probes else ():
-        distance = int(multiple * shape.window)
-        probes = retrieval_probes(data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED)
-        longest = max(len(p.assignment + p.filler + p.question + p.value) for p in probes)
-        key = f"{multiple:g}W ({distance})" + (" >T" if longest > shape.context else "")
-        result["retrieval"][key] = retrieval_score(model, probes, args.eval_batch_size)
+    if args.retrieval_probes:
+        result["retrieval"] = retrieval_by_distance(
+            model, shape, args, RETRIEVAL_DISTANCES,
+            lambda distance: retrieval_probes(data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED),
+        )  # fmt: skip
     result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
     return result

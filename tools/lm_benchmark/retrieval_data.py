@@ -15,9 +15,9 @@ from .evaluation import (
     PROBE_SEED,
     RETRIEVAL_DISTANCES,
     RetrievalProbe,
-    code_fillers,
     random_word,
-    retrieval_score,
+    retrieval_by_distance,
+    retrieval_probes,
 )
 from .tokens import PackedSequences
 
@@ -95,33 +95,29 @@ def draw_retrieval(generator) -> tuple[tuple[str, str], str, str]:
     return formats, key, value
 
 
+def training_pair_probe(generator, index: int) -> tuple[str, str, str]:
+    """(assignment, question, value) drawn as the data lever draws its training pairs (`draw_retrieval`); the
+    question is the use line up to its value."""
+    (assignment, use), key, value = draw_retrieval(generator)
+    return assignment.format(key=key, value=value), use.split("{value}")[0].format(key=key), value
+
+
 def training_format_probes(
     tokenizer, validation: list[np.ndarray], distance: int, count: int, seed: int
 ) -> list[RetrievalProbe]:
     """Graded retrieval probes drawn as the data lever draws its training pairs (formats, keys and values: none of them
     seen in training, only their kind): whether a run learned what it was taught, beside the evaluation's own probes,
-    which ask whether that transfers. The question is the use line up to its value."""
-    generator = np.random.default_rng(20_000 + seed + distance)
-    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
-    probes = []
-    for filler in code_fillers(tokenizer, validation, distance, count, generator):
-        (assignment, use), key, value = draw_retrieval(generator)
-        question = use.split("{value}")[0].format(key=key)
-        probes.append(
-            RetrievalProbe(encode(assignment.format(key=key, value=value)), filler, encode(question), encode(value))
-        )
-    return probes
+    which ask whether that transfers."""
+    return retrieval_probes(tokenizer, validation, distance, count, seed, draw=training_pair_probe, seed_offset=20_000)
 
 
 def training_format_retrieval(model, data, shape, args, max_gap: int) -> dict:
     """`retrieval_score` of `training_format_probes` at the evaluation's distances from 2W to `max_gap` (the gaps the
     data lever trains), keyed as the evaluation's retrieval."""
-    scores = {}
-    for multiple in RETRIEVAL_DISTANCES:
-        distance = int(multiple * shape.window)
-        if 2 * shape.window <= distance <= max_gap:
-            probes = training_format_probes(
-                data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED
-            )
-            scores[f"{multiple:g}W ({distance})"] = retrieval_score(model, probes, args.eval_batch_size)
-    return scores
+    multiples = [m for m in RETRIEVAL_DISTANCES if 2 * shape.window <= int(m * shape.window) <= max_gap]
+    return retrieval_by_distance(
+        model, shape, args, multiples,
+        lambda distance: training_format_probes(
+            data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED
+        ),
+    )  # fmt: skip
