@@ -1,6 +1,8 @@
 """What every served history branch shares: a vLLM Mamba-style layer (`MambaBase`) registered under its own prefix,
 with its state slots bound by vLLM's KV-cache manager and the state metadata of history/metadata.py."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from vllm.config import CacheConfig, get_current_vllm_config
@@ -38,6 +40,12 @@ class ServedHistoryBranch(MambaBase, nn.Module):
         self.model_config = vllm_config.model_config
         self.cache_config = cache_config
         self.prefix = prefix
+
+    @staticmethod
+    def in_proj_weight_loader(config: HybridConfig, tp_size: int, tp_rank: int) -> Callable | None:
+        """How a rank loads its rows of in_proj's weight (the merged layer's loader's arguments) where its parts do
+        not all split evenly over the ranks; None: in_proj's own loader, which splits each part evenly."""
+        return None
 
     @staticmethod
     def state_dtypes(model_dtype, cache_config: CacheConfig) -> tuple[torch.dtype, ...]:

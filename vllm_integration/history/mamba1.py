@@ -102,8 +102,9 @@ class Mamba1Branch(ServedHistoryBranch):
         set_weight_attrs(self.D, {"weight_loader": channel_sharded})
 
     @staticmethod
-    def in_proj_sizes(config: HybridConfig) -> list[int]:
-        """The parts of in_proj's output, in order (xs, z), each split over the tensor-parallel ranks."""
+    def in_proj_sizes(config: HybridConfig, tp_size: int) -> list[int]:
+        """The parts of in_proj's output, in order (xs, z), each split evenly over the tensor-parallel ranks (by
+        in_proj's own weight loader)."""
         return [config.ssm_intermediate_size] * 2
 
     @staticmethod
