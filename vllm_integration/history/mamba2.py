@@ -155,13 +155,7 @@ class Mamba2Branch(ServedHistoryBranch):
             xbc_shard_spec(config, tp_size), tp_size, get_tensor_model_parallel_rank()
         )
         by_head = sharded_weight_loader(0)
-        self.conv1d_weight = nn.Parameter(torch.empty(self.conv_channels, config.ssm_conv_kernel_size))
-        set_weight_attrs(self.conv1d_weight, {"weight_loader": lambda param, w: conv_sharded(param, w.flatten(1))})
-        if config.ssm_conv_bias:
-            self.conv1d_bias = nn.Parameter(torch.empty(self.conv_channels))
-            set_weight_attrs(self.conv1d_bias, {"weight_loader": conv_sharded})
-        else:
-            self.conv1d_bias = None
+        self.add_conv1d(self.conv_channels, config.ssm_conv_kernel_size, config.ssm_conv_bias, conv_sharded)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.A = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
