@@ -224,3 +224,19 @@ def test_what_cannot_be_sharded_is_refused_by_name(fields, tp_size, message):
 
     with pytest.raises(ValueError, match=message):
         Mamba2Branch.state_shapes(tiny_config(**{**MAMBA2_BRANCH, **fields}), tp_size)
+
+
+def test_lora_with_one_group_under_tensor_parallel_is_refused():
+    """vLLM's LoRA layers would split an in_proj adapter by in_proj's part sizes, which count the one group once per
+    rank: the branch refuses to be built so."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    from vllm_integration.history import Mamba2Branch
+
+    vllm_config = VllmConfig()
+    vllm_config.lora_config = SimpleNamespace()  # LoRA on (a real LoRAConfig wants a model config)
+    with set_current_vllm_config(vllm_config), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parallel_state, "_TP", StandInGroup(TP))
+        with pytest.raises(ValueError, match="LoRA under tensor parallel 2 needs ssm_n_groups divisible by it"):
+            Mamba2Branch(mamba2_config(1), prefix="model.layers.0.self_attn.attn.ssm")

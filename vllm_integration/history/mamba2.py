@@ -154,16 +154,16 @@ class Mamba2Branch(ServedHistoryBranch):
         conv_sharded = mamba_v2_sharded_weight_loader(
             xbc_shard_spec(config, tp_size), tp_size, get_tensor_model_parallel_rank()
         )
-        by_head = sharded_weight_loader(0)
+        split_evenly = sharded_weight_loader(0)  # by head (dt_bias, A, D), or by channel in head order (the norm)
         self.add_conv1d(self.conv_channels, config.ssm_conv_kernel_size, config.ssm_conv_bias, conv_sharded)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.A = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
         self.D = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
-        set_weight_attrs(self.dt_bias, {"weight_loader": by_head})
-        set_weight_attrs(self.A, {"weight_loader": composed_weight_loader(by_head, a_from_a_log)})
-        set_weight_attrs(self.D, {"weight_loader": by_head})
+        set_weight_attrs(self.dt_bias, {"weight_loader": split_evenly})
+        set_weight_attrs(self.A, {"weight_loader": composed_weight_loader(split_evenly, a_from_a_log)})
+        set_weight_attrs(self.D, {"weight_loader": split_evenly})
         self.norm_weight = nn.Parameter(torch.empty(self.intermediate_size))
-        set_weight_attrs(self.norm_weight, {"weight_loader": by_head})  # channels, in the order of the heads
+        set_weight_attrs(self.norm_weight, {"weight_loader": split_evenly})
         self.norm_eps = config.rms_norm_eps
 
     @staticmethod
