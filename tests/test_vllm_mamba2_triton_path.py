@@ -160,7 +160,7 @@ def test_vllm_kernels_path_matches_the_reference_path(vllm_mamba2_kernels, branc
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
     layer = SimpleNamespace(ssm=branch, kv_cache=kv_cache, head_size=D, window=W)
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
-    in_proj_output = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config)), generator=g).to(DEVICE)
+    in_proj_output = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config, 1)), generator=g).to(DEVICE)
     # Random slots, the first token's stale one included (vLLM's conv state is [slots, K-1, C] unless dim-first).
     states = tuple(torch.randn(NUM_SLOTS, *shape, generator=g).to(DEVICE) for shape in branch.get_state_shape())
 
@@ -214,7 +214,7 @@ def test_the_profiling_run_warms_up_the_scan_and_touches_no_state(vllm_mamba2_ke
     impl = HybridTritonAttentionImpl(H, D, D**-0.5, KVH, alibi_slopes=None, sliding_window=W, kv_cache_dtype="auto")
     layer = SimpleNamespace(ssm=branch)
     num_tokens = 5
-    in_proj_output = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config)), device=DEVICE)
+    in_proj_output = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config, 1)), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)
     states = [torch.randn(NUM_SLOTS, *shape, device=DEVICE) for shape in branch.get_state_shape()]
     monkeypatch.setattr(branch, "kv_cache", tuple(state.clone() for state in states))

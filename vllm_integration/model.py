@@ -13,6 +13,7 @@ from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import (
     get_pp_group,
+    get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_reduce_scatter,
 )
@@ -92,8 +93,11 @@ class HybridAttention(nn.Module):
         )
         history_branch = history_branch_class(config)
         self.in_proj = MergedColumnParallelLinear(
-            config.hidden_size, history_branch.in_proj_sizes(config), bias=False, prefix=f"{prefix}.in_proj"
+            config.hidden_size, history_branch.in_proj_sizes(config, tp_size), bias=False, prefix=f"{prefix}.in_proj"
         )
+        in_proj_loader = history_branch.in_proj_weight_loader(config, tp_size, get_tensor_model_parallel_rank())
+        if in_proj_loader is not None:
+            self.in_proj.weight.weight_loader = in_proj_loader
         # Each rank's partial sums over its channels, reduce-scattered in forward: each rank receives the summed
         # columns of its own heads, which is all its o_proj input needs.
         self.out_proj = RowParallelLinear(

@@ -5,7 +5,10 @@ is a vLLM Mamba-style layer (`MambaBase`: its state spec, dtype and metadata bac
 
     Branch(config, cache_config, prefix)        its stateful parameters, loaded under the checkpoint's names
                                                 (layout.SSM_RENAMES)
-    Branch.in_proj_sizes(config)                the parts of `self_attn.in_proj`'s output it reads, in order
+    Branch.in_proj_sizes(config, tp_size)       the parts of `self_attn.in_proj`'s output it reads, in order
+    Branch.in_proj_weight_loader(config, tp_size, tp_rank)
+                                                in_proj's weight loader where its parts do not split evenly over
+                                                the tensor-parallel ranks (Mamba-2's groups), else None
     Branch.state_shapes(config, tp_size)        per-slot state shapes, dtypes and vLLM's copy function, for the
     Branch.state_dtypes(model_dtype, cache_config)  model's classmethods (vLLM asks them before building layers)
     Branch.state_copy_func()

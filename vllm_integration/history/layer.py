@@ -1,12 +1,15 @@
 """What every served history branch shares: a vLLM Mamba-style layer (`MambaBase`) registered under its own prefix,
 with its state slots bound by vLLM's KV-cache manager and the state metadata of history/metadata.py."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from vllm.config import CacheConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator, is_conv_state_dim_first
+from vllm.model_executor.utils import set_weight_attrs
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE, get_kv_cache_torch_dtype
 from vllm.v1.attention.backend import AttentionBackend
 
@@ -38,6 +41,24 @@ class ServedHistoryBranch(MambaBase, nn.Module):
         self.model_config = vllm_config.model_config
         self.cache_config = cache_config
         self.prefix = prefix
+
+    def add_conv1d(self, channels: int, kernel_size: int, bias: bool, sharded_loader: Callable) -> None:
+        """The depthwise conv's parameters, which `causal_conv` reads: `conv1d_weight` [channels, K] and, with `bias`,
+        `conv1d_bias` [channels] (else None), this rank's channels. `sharded_loader(param, full)` takes the rank's
+        rows of a full tensor; the checkpoint's weight [all channels, 1, K] reaches it as [all channels, K]."""
+        self.conv1d_weight = nn.Parameter(torch.empty(channels, kernel_size))
+        set_weight_attrs(self.conv1d_weight, {"weight_loader": lambda param, w: sharded_loader(param, w.flatten(1))})
+        if bias:
+            self.conv1d_bias = nn.Parameter(torch.empty(channels))
+            set_weight_attrs(self.conv1d_bias, {"weight_loader": sharded_loader})
+        else:
+            self.conv1d_bias = None
+
+    @staticmethod
+    def in_proj_weight_loader(config: HybridConfig, tp_size: int, tp_rank: int) -> Callable | None:
+        """How a rank loads its rows of in_proj's weight (the merged layer's loader's arguments) where its parts do
+        not all split evenly over the ranks; None: in_proj's own loader, which splits each part evenly."""
+        return None
 
     @staticmethod
     def state_dtypes(model_dtype, cache_config: CacheConfig) -> tuple[torch.dtype, ...]:

@@ -81,13 +81,7 @@ class Mamba1Branch(ServedHistoryBranch):
 
         # Each rank loads its channels; values change here only (layout.py): the conv weight as [E, K], A from A_log.
         channel_sharded = sharded_weight_loader(0)
-        self.conv1d_weight = nn.Parameter(torch.empty(self.local_size, conv_kernel_size))
-        set_weight_attrs(self.conv1d_weight, {"weight_loader": lambda param, w: channel_sharded(param, w.flatten(1))})
-        if config.ssm_conv_bias:
-            self.conv1d_bias = nn.Parameter(torch.empty(self.local_size))
-            set_weight_attrs(self.conv1d_bias, {"weight_loader": channel_sharded})
-        else:
-            self.conv1d_bias = None
+        self.add_conv1d(self.local_size, conv_kernel_size, config.ssm_conv_bias, channel_sharded)
         self.x_proj = RowParallelLinear(
             intermediate_size, dt_rank + 2 * state_size, bias=False, input_is_parallel=True, prefix=f"{prefix}.x_proj"
         )
@@ -102,8 +96,9 @@ class Mamba1Branch(ServedHistoryBranch):
         set_weight_attrs(self.D, {"weight_loader": channel_sharded})
 
     @staticmethod
-    def in_proj_sizes(config: HybridConfig) -> list[int]:
-        """The parts of in_proj's output, in order (xs, z), each split over the tensor-parallel ranks."""
+    def in_proj_sizes(config: HybridConfig, tp_size: int) -> list[int]:
+        """The parts of in_proj's output, in order (xs, z), each split evenly over the tensor-parallel ranks (by
+        in_proj's own weight loader)."""
         return [config.ssm_intermediate_size] * 2
 
     @staticmethod
