@@ -67,7 +67,8 @@ case "${1:-kernels}" in
     status=0
     echo "$runner" >> "$OUT/pytest_vllm.log"  # a saved log says which model runner its engines ran on
     tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py \
-            tests/test_vllm_mamba2_triton_path.py tests/test_vllm_ssm_metadata.py tests/test_vllm.py ${2:+-k "$2"} \
+            tests/test_vllm_mamba2_triton_path.py tests/test_vllm_mamba2_tensor_parallel.py tests/test_vllm_ssm_metadata.py \
+            tests/test_vllm.py ${2:+-k "$2"} \
             | grep '::')
     if [[ -z $tests ]]; then
       echo "no vLLM test collected: is vLLM staged and importable?" >&2
