@@ -58,13 +58,28 @@ def test_exported_program_without_a_mask_equals_eager(make_model):
             torch.testing.assert_close(exported(input_ids=ids, use_cache=False).logits, expected, **TOL)
 
 
-# An open defect on Transformers 5.23 (not on 5.17): in some runs the exported prefill keeps the whole prompt's keys
-# in a sliding layer (9 where eager keeps the window's 5), for either branch, depending on which export ran before in
-# the process. Skipped there, not marked xfail: it passes in other runs.
-@pytest.mark.skipif(
-    Version(transformers.__version__) >= Version("5.23"),
-    reason="open defect on Transformers 5.23: the exported prefill sometimes keeps the whole prompt in a sliding layer",
-)
+# Transformers 5.23's exporter traces a dynamic sliding-window cache layer as a full one on purpose
+# (`exporter_dynamo._patch_sliding_window_layer`: the mask still applies the window, and a trace would otherwise bake
+# in the layer's token counter): its exported steps keep every key where eager keeps the last W-1. Its exported decode
+# step then misplaces the padding of a left-padded row whose prompt outgrew the window: Transformers' own
+# MistralForCausalLM (W 6, a 9-token prompt, 3 pads) gives logits 0.09 off eager's in that row, exact in the others.
+# There the dynamic cache is exported from unpadded prompts; the static cache (a static layer is not patched) keeps
+# the padded ones.
+TRACES_SLIDING_LAYERS_AS_FULL = Version(transformers.__version__) >= Version("5.23")
+
+
+def assert_step_outputs_match(got: dict, expected: dict, step: str) -> None:
+    """The exported step's outputs are eager's: logits and SSM states exactly; a sliding layer's keys and values too,
+    or, where the exporter keeps them all, ending with eager's window."""
+    assert got.keys() == expected.keys(), step
+    for name, want in expected.items():
+        have = got[name]
+        if TRACES_SLIDING_LAYERS_AS_FULL and name.endswith((".keys", ".values")) and have.shape != want.shape:
+            assert have.shape[-2] > want.shape[-2] and have.shape[:-2] == want.shape[:-2], f"{step}: {name}"
+            have = have[..., -want.shape[-2] :, :]
+        torch.testing.assert_close(have, want, **TOL, msg=lambda m, name=name: f"{step}, {name}: {m}")
+
+
 @pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
 @pytest.mark.parametrize("cache_implementation", [None, "static"], ids=["hybrid-cache", "static-cache"])
 def test_exported_generation_steps_equal_eager(make_model, cache_implementation, ssm_type):
@@ -73,7 +88,8 @@ def test_exported_generation_steps_equal_eager(make_model, cache_implementation,
     on a Python branch over the slots' values in the conv update reference (`GuardOnDataDependentSymNode`)."""
     model = make_model(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
     input_ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": input_ids, "attention_mask": left_padded_mask(2, 9, pads=[3, 0])}
+    pads = [0, 0] if TRACES_SLIDING_LAYERS_AS_FULL and cache_implementation is None else [3, 0]
+    inputs = {"input_ids": input_ids, "attention_mask": left_padded_mask(2, 9, pads=pads)}
     generation_config = GenerationConfig(cache_implementation=cache_implementation) if cache_implementation else None
     with torch.no_grad():
         steps = decompose_for_generation(model, inputs, generation_config=generation_config)
@@ -84,6 +100,5 @@ def test_exported_generation_steps_equal_eager(make_model, cache_implementation,
             exported = DynamoExporter().export(module, step_inputs, config=DynamoConfig(dynamic=False))
             program = getattr(exported, "program", exported)  # Transformers 5.23 wraps the ExportedProgram
             got = get_leaf_tensors(program.module()(**copy.deepcopy(step_inputs)))
-        assert got.keys() == expected.keys(), name
         assert any("conv_states" in key for key in got), f"{name}: the SSM states are among the outputs"
-        torch.testing.assert_close(got, expected, **TOL, msg=lambda m: f"{name}: {m}")
+        assert_step_outputs_match(got, expected, name)
