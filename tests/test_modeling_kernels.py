@@ -168,6 +168,25 @@ def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_
         torch.testing.assert_close(state, ref_state, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)")
+def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
+    """`torch.compile(fullgraph=True)` of a training forward on the kernels, as `Trainer(torch_compile=True)` compiles
+    the model: Dynamo traces the branch's autograd function and its Triton launches without a graph break (the README
+    says so), and the compiled step's loss and gradients are eager's."""
+    model = make_model(sliding_window=16, attn_implementation="sdpa").to(DEVICE).train()
+    ids = torch.randint(3, 97, (2, 80), device=DEVICE)
+    steps = []
+    for forward in (model.forward, torch.compile(model.forward, fullgraph=True)):
+        model.zero_grad(set_to_none=True)
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        steps.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = steps
+    torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
+    for name, grad in compiled_grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], atol=1e-4, rtol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="generate() compiles its decode step (CUDA graphs) on CUDA only")
 def test_compiled_static_generation_gives_the_dynamic_cache_tokens_on_gpu(make_model):
     """`generate(cache_implementation="static")` on CUDA compiles the decode step (inductor, CUDA graphs) around the
