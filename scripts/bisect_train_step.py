@@ -242,7 +242,8 @@ def main() -> int:
             )
             print(f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
                   f"(host issues it in {result.get('host_ms', float('nan')):6.1f} ms)  "
-                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}{compiled}", flush=True)
+                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}{compiled}",
+                  flush=True)
             save()
     anchor_times = results[label[runs[-1]]]["steps_ms"] if args.swa_tree else []
     anchor = statistics.median(anchor_times) if anchor_times else None

@@ -424,9 +424,10 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
         key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
         result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
     if args.retrieval_probes:
+        count = args.retrieval_probes
         result["retrieval"] = retrieval_by_distance(
             model, shape, args, RETRIEVAL_DISTANCES,
-            lambda distance: retrieval_probes(data.tokenizer, data.validation, distance, args.retrieval_probes, PROBE_SEED),
+            lambda distance: retrieval_probes(data.tokenizer, data.validation, distance, count, PROBE_SEED),
         )  # fmt: skip
     result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
     return result

@@ -40,9 +40,9 @@ def hybrid_config(shape: dict, max_len: int, name: str = "hybrid"):
 
 
 def baseline_config(name: str, hybrid):
-    """The (Mamba-1) hybrid's shapes without the SSM branch: full attention (Llama), or every layer sliding (Mistral-style;
-    vLLM's Llama/Mistral code reads the window per layer from `layer_types`), with the hybrid's MLP or one widened to
-    the hybrid's parameter count (`swa-matched`)."""
+    """The (Mamba-1) hybrid's shapes without the SSM branch: full attention (Llama), or every layer sliding
+    (Mistral-style; vLLM's Llama/Mistral code reads the window per layer from `layer_types`), with the hybrid's MLP or
+    one widened to the hybrid's parameter count (`swa-matched`)."""
     if name == "llama":
         return hybrid.attention_only_config(full_attention=True)
     config = hybrid.attention_only_config()

@@ -10,7 +10,8 @@ The models, random weights, the same shapes (hidden 2048, 24 layers, 16 heads, 4
   hybrid  this project's model: window-2048 attention + the Mamba-1 SSM branch (E 2048, N 16) in every layer
   llama   the same model with full attention and no SSM branch (LlamaForCausalLM)
   swa     the same model with window-2048 attention only, Mistral-style (MistralForCausalLM, every layer sliding)
-  swa-matched  that model with its MLP widened to the (Mamba-1) hybrid's parameter count (the comparison at equal parameters)
+  swa-matched  that model with its MLP widened to the (Mamba-1) hybrid's parameter count (the comparison at equal
+        parameters)
   hybrid-v2  the hybrid's checkpoint served on vLLM's Model Runner V2 (`VLLM_USE_V2_MODEL_RUNNER=1`; GPU only)
   hybrid-mamba2  the hybrid with a Mamba-2 branch (`ssm_type="mamba2"`): E 2048 = 32 heads of 64, 1 group, N 128,
               chunks of 256, conv kernel 4; its own checkpoint, on vLLM's default runner
