@@ -16,6 +16,9 @@
 #                                          # bisect_train_step.py takes them) and generate() at the small shape
 #                                          # against Mistral, static and dynamic caches
 #   bash scripts/device_check.sh lm ARGS...  # scripts/bench_lm.py ARGS (the memory program's runs), results to $OUT
+#                                          # (`--stage train`, then `--stage evaluate` in the next call of the
+#                                          # lease: a run too long for one call; the trained model stays on
+#                                          # the warm machine between them)
 #   bash scripts/device_check.sh startup   # scripts/check_engine_start.py (vLLM staged): build, save and convert a
 #                                          # ~1B model, then LLM() with vLLM's defaults in the same process, under a
 #                                          # time limit (a hang fails it)

@@ -511,6 +511,35 @@ def test_smoke_runs_a_lever_study(tmp_path, capsys):
     assert "| hybrid [levers] |" in capsys.readouterr().out
 
 
+def test_a_run_split_into_train_and_evaluate_stages_gives_the_one_process_results(tmp_path, capsys):
+    """`--stage train` saves the trained model and its training record, `--stage evaluate` loads them: the evaluation
+    and the training record are those of the same run in one process. The evaluation refuses other settings than the
+    training's, a model that was not trained, and models made from a teacher."""
+    torch.set_num_threads(1)
+    run = ["--smoke", "--steps", "4", "--models", "hybrid", "--seed", "1", "--set", "ssm_dt_min=0.0001"]
+    assert cli.main([*run, "--output-dir", str(tmp_path / "one")]) == 0
+    staged = [*run, "--output-dir", str(tmp_path / "two"), "--tag", "staged"]
+    assert cli.main([*staged, "--stage", "train"]) == 0
+    assert not list((tmp_path / "two").glob("results-*.json"))
+    with pytest.raises(SystemExit, match="the arguments of --stage train"):
+        cli.main([*staged, "--stage", "evaluate", "--seed", "2"])
+    assert cli.main([*staged, "--stage", "evaluate"]) == 0
+    one = json.loads((tmp_path / "one" / "results-hybrid.json").read_text())
+    two = json.loads((tmp_path / "two" / "results-hybrid-staged.json").read_text())
+    assert two["eval"] == one["eval"]
+    assert two["train"]["loss_log"] == one["train"]["loss_log"] and two["train"]["tokens"] == one["train"]["tokens"]
+    assert two["train"]["settings"]["seed"] == 1 and "command" in two["train"]  # the training's own record
+    assert (two["config_overrides"], two["seed"], two["parameters"]) == (one["config_overrides"], 1, one["parameters"])
+
+    for argv, message in (
+        ([*staged, "--stage", "evaluate", "--models", "swa"], "no trained model"),
+        (["--models", "full,distilled", "--steps", "3", "--stage", "train"], "not distilled"),
+    ):
+        with pytest.raises(SystemExit) as error:
+            cli.parse_args(argv)
+        assert error.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_smoke_upcycles_the_trained_full_model_and_distils_it(tmp_path, capsys):
     """`full`, then what starts from it: the upcycled model computes `full`'s function inside the window (its loss
     there is the teacher's), and both distillations train from it with the teacher's KL as their loss."""

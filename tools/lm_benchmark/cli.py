@@ -40,6 +40,10 @@ and peak memory.
     python scripts/bench_lm.py --report R1.json R2.json R3.json --plot lm.png
     python scripts/bench_lm.py --smoke                                  # the whole pipeline on CPU, tiny
 
+`--stage train` then `--stage evaluate` split one run in two processes (two device calls, each inside its time
+limit): the first trains and saves the model and its training record to `OUTPUT_DIR/MODEL[-TAG]/trained`, the second
+loads them, evaluates and writes the results as one run would.
+
 Each model's results go to `OUTPUT_DIR/results-MODEL.json` (`results-MODEL-TAG.json` with `--tag`); the corpus,
 tokenizer and token arrays are cached in `OUTPUT_DIR` and reused while the file list (its hash) is the same.
 """
@@ -59,7 +63,7 @@ from modeling.history import HistoryBranch
 from modeling.training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import evaluate
-from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, model_to_train, teacher_dir
+from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, load_trained, model_to_train, teacher_dir
 from .report import plot, plot_decision, print_table
 from .retrieval_data import WithSyntheticRetrievals, training_format_retrieval
 from .timed_training import probe_seconds_per_step, train_model
@@ -75,10 +79,44 @@ def ssm_state_bytes(model) -> int | None:
     return sum(2 * conv + 4 * recurrent for conv, recurrent in (branch.state_numel() for branch in branches))
 
 
-def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict:
-    """Builds, trains (`upcycled`: not) and evaluates one model; returns its results, as `results-KIND.json` holds them."""
+def longest_retrieval_gap(shape: Shape) -> int:
+    """The data lever's gaps run from 2W to this: 8W, at most half a training sequence."""
+    return min(8 * shape.window, shape.context // 2)
+
+
+def run_settings(kind: str, shape: Shape, args) -> dict:
+    """What makes a run's model what it is, recorded by `--stage train` and checked by `--stage evaluate`."""
+    return {
+        "model": kind, "shape": asdict(shape), "seed": args.seed, "config_overrides": args.config_overrides,
+        "retrieval_data_share": args.retrieval_data_share, "short_window": args.short_window, "lr": args.lr,
+    }  # fmt: skip
+
+
+def run_name(kind: str, args) -> str:
+    return kind + (f"-{args.tag}" if args.tag else "")
+
+
+def trained_dir(kind: str, args) -> Path:
+    """Where `--stage train` leaves the trained model and `training.json` for `--stage evaluate`."""
+    return args.output_dir / run_name(kind, args) / "trained"
+
+
+def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) -> dict | None:
+    """Builds, trains (`upcycled`: not) and evaluates one model; returns its results, as `results-KIND.json` holds them
+    (`--stage train`: saves the trained model and returns None; `--stage evaluate`: loads it and evaluates)."""
+    if args.stage == "evaluate":
+        saved = trained_dir(kind, args)
+        training = json.loads((saved / "training.json").read_text())
+        if training["settings"] != json.loads(json.dumps(run_settings(kind, shape, args))):
+            raise SystemExit(
+                f"--stage evaluate: {saved} was trained with {training['settings']}, and these arguments say "
+                f"{run_settings(kind, shape, args)}: give --stage evaluate the arguments of --stage train"
+            )
+        model = load_trained(kind, saved, args.attn)
+        print(f"\n== {kind}: {model.num_parameters():,} parameters, trained by `{training['command']}`; evaluating")
+        return evaluate_model(kind, model, data, shape, training, args)
     dataset = PackedSequences(data.train, shape.context)
-    max_gap = min(8 * shape.window, shape.context // 2)  # the data lever's gaps: 2W-8W, at most half a sequence
+    max_gap = longest_retrieval_gap(shape)
     if args.retrieval_data_share:
         dataset = WithSyntheticRetrievals(
             dataset, data.tokenizer, args.retrieval_data_share, min(2 * shape.window, max_gap), max_gap, args.seed
@@ -94,17 +132,30 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     )
     if steps:
         training = train_model(model, data.tokenizer, dataset, shape, steps, args, args.output_dir / kind, **extra)
-        print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s; evaluating")
+        print(f"== {kind}: trained, {training['tokens_per_second']} tokens/s")
     else:
         training = {"steps": 0, "tokens": 0, "tokens_per_second": None, "peak_memory_gib": None, "loss_log": []}
     if kind == "full":  # the teacher of the upcycled models
         model.save_pretrained(teacher_dir(args))
         data.tokenizer.save_pretrained(teacher_dir(args))
+    if args.stage == "train":
+        saved = trained_dir(kind, args)
+        model.save_pretrained(saved)
+        record = {**training, "command": " ".join(sys.argv), "settings": run_settings(kind, shape, args)}
+        (saved / "training.json").write_text(json.dumps(record, indent=1))
+        print(f"== {kind}: saved to {saved} for --stage evaluate")
+        return None
+    return evaluate_model(kind, model, data, shape, training, args)
+
+
+def evaluate_model(kind: str, model, data: TokenizedCorpus, shape: Shape, training: dict, args) -> dict:
+    """Evaluates a trained model; returns its results record."""
     evaluation = evaluate(model, data, shape, args)
     if args.retrieval_data_share and args.retrieval_probes:
-        evaluation["retrieval_training_formats"] = training_format_retrieval(model, data, shape, args, max_gap)
+        gap = longest_retrieval_gap(shape)
+        evaluation["retrieval_training_formats"] = training_format_retrieval(model, data, shape, args, gap)
     distillation = {}
-    if extra:
+    if kind in FROM_TEACHER and kind != "upcycled":
         distillation = {"teacher": str(teacher_dir(args)), "mode": args.distill_mode, "learning_rate": args.distill_lr}
     return {
         "model": kind,
@@ -193,6 +244,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--commit", help="the commit to record (default: git's HEAD, where there is a .git)")
     parser.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few steps, CPU")
     parser.add_argument(
+        "--stage",
+        choices=("all", "train", "evaluate"),
+        default="all",
+        help="train and evaluate (all), or only train and save, or only evaluate what --stage train saved",
+    )
+    parser.add_argument(
         "--prepare-only",
         action="store_true",
         help="build the corpus, tokenizer and token arrays in OUTPUT_DIR, then stop",
@@ -213,8 +270,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.validation_fraction = 0.2
         args.tokenizer_bytes = 1 << 20
         args.eval_sequences, args.passkey_probes, args.retrieval_probes = 16, 16, 6
-    elif args.steps is None and args.train_seconds is None and not args.prepare_only:
+    elif args.steps is None and args.train_seconds is None and not args.prepare_only and args.stage != "evaluate":
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
+    staged = [kind for kind in args.models if kind in FROM_TEACHER]
+    if args.stage != "all" and staged:
+        parser.error(f"--stage {args.stage} runs models trained from scratch; not {', '.join(staged)}")
+    if args.stage == "evaluate":
+        missing = [kind for kind in args.models if not (trained_dir(kind, args) / "training.json").exists()]
+        if missing:
+            parser.error(f"--stage evaluate: no trained model at {trained_dir(missing[0], args)} (--stage train first)")
     if not 0 <= args.retrieval_data_share <= 1:
         parser.error(f"--retrieval-data-share must lie in [0, 1], got {args.retrieval_data_share}")
     if args.distill_mode not in TRAINING_MODES:
@@ -283,7 +347,7 @@ def main(argv=None) -> int:
         return 0
     # The first trained model's probe compiles and times its training, and checks that the attention implementation
     # trains.
-    trained = [kind for kind in args.models if kind != "upcycled"]
+    trained = [kind for kind in args.models if kind != "upcycled" and args.stage != "evaluate"]
     steps = args.steps
     if trained:
         try:
@@ -300,10 +364,14 @@ def main(argv=None) -> int:
     results = []
     for kind in args.models:
         result = run_model(kind, data, shape, steps, args)
-        path = args.output_dir / f"results-{kind}{'-' + args.tag if args.tag else ''}.json"
+        if result is None:
+            continue
+        path = args.output_dir / f"results-{run_name(kind, args)}.json"
         path.write_text(json.dumps(result, indent=1))
         print(f"results: {path}")
         results.append(result)
+    if not results:
+        return 0
     print()
     print_table(results)
     if args.plot:

@@ -104,6 +104,14 @@ def build_model(
     return model.cuda() if torch.cuda.is_available() else model
 
 
+def load_trained(kind: str, path: Path, attn_implementation: str) -> torch.nn.Module:
+    """A `kind` model trained from scratch and saved by `--stage train`, as `build_model` places it."""
+    model_class = LlamaForCausalLM if kind == "full" else HybridForCausalLM
+    model = model_class.from_pretrained(path, dtype=torch.float32)
+    model.set_attn_implementation(attn_implementation)
+    return model.cuda() if torch.cuda.is_available() else model
+
+
 def teacher_dir(args) -> Path:
     return args.teacher or args.output_dir / "full" / "checkpoint"
 
