@@ -385,8 +385,10 @@ def test_bf16_greedy_follows_transformers_until_a_near_tie(branch_checkpoints):
     model, vllm_dir = branch_checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=4)
     result = run_vllm(vllm_dir, prompts, dtype="bfloat16")
-    # At bf16's tie gap this tiny model's prompts leave 29 of 84 tokens before a near tie (H200): a third.
-    assert_follows_hf(model, prompts, result["outputs"], tie_gap=BF16_TIE, atol=BF16_TIE, min_compared=0.3)
+    # At bf16's tie gap these prompts leave 29 of 84 tokens before a near tie on the Mamba-1 model (H200), 12 on the
+    # Mamba-2 one, whose tiny random model is flatter: every one of them equal, and each bar below the measured share.
+    min_compared = 0.3 if model.config.ssm_type == "mamba1" else 0.1
+    assert_follows_hf(model, prompts, result["outputs"], tie_gap=BF16_TIE, atol=BF16_TIE, min_compared=min_compared)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="our Triton kernels read fp8 KV caches on CUDA only")
