@@ -526,7 +526,10 @@ def test_a_run_split_into_train_and_evaluate_stages_gives_the_one_process_result
     assert cli.main([*staged, "--stage", "evaluate"]) == 0
     one = json.loads((tmp_path / "one" / "results-hybrid.json").read_text())
     two = json.loads((tmp_path / "two" / "results-hybrid-staged.json").read_text())
+    timings = one["eval"].pop("seconds"), two["eval"].pop("seconds")
     assert two["eval"] == one["eval"]
+    parts = ["loss by position", "short context", "SSM reset", "passkey", "retrieval", "SSM memory"]
+    assert list(timings[0]) == list(timings[1]) == parts  # each part's seconds, for the log and the record
     assert two["train"]["loss_log"] == one["train"]["loss_log"] and two["train"]["tokens"] == one["train"]["tokens"]
     assert two["train"]["settings"]["seed"] == 1 and "command" in two["train"]  # the training's own record
     assert (two["config_overrides"], two["seed"], two["parameters"]) == (one["config_overrides"], 1, one["parameters"])

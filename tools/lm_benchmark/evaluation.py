@@ -3,9 +3,11 @@ context cut to the last 2W tokens and with the SSM branch restarted W, 2W or 4W 
 repeated from inside and from beyond the window, retrieval of an assigned value scored by its log-probability and
 passkey probes (exact greedy copies) at distances W/2 .. 16W, and how long the SSM branch remembers."""
 
+import contextlib
 import functools
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -315,12 +317,13 @@ def continuation_logprob(
             ids[row, length - len(tokens) :] = torch.tensor(tokens)
             mask[row, length - len(tokens) :] = 1
         with autocast():
-            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
-        log_probs = logits.log_softmax(-1).cpu()
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
         for row, continuation in enumerate(continuations[start : start + batch_size]):
             n = len(continuation)
-            predicted = log_probs[row, length - n - 1 : length - 1]  # the positions before each continuation token
-            scores.append(float(predicted.gather(-1, torch.tensor(continuation)[:, None]).mean()))
+            # The positions before each continuation token, normalised there alone (on the device: a row's whole
+            # [length, vocab] never leaves it).
+            log_probs = logits[row, length - n - 1 : length - 1].float().log_softmax(-1)
+            scores.append(float(log_probs.gather(-1, torch.tensor(continuation, device=device)[:, None]).mean()))
     return np.asarray(scores)
 
 
@@ -395,13 +398,35 @@ def ssm_memory_stats(model, sequences: torch.Tensor, window: int) -> list[dict] 
     return stats
 
 
+class PartTimer:
+    """Wall seconds of each part of the evaluation (device synchronised), for the record and the log."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.seconds[name] = round(time.perf_counter() - start, 1)
+        print(f"evaluation: {name} in {self.seconds[name]} s", flush=True)
+
+
 def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
     model.eval()
     # Evaluation shapes vary (probe lengths): SDPA computes the same attention without a compilation per shape.
     model.set_attn_implementation("sdpa")
+    timer = PartTimer()
     sequences = evaluation_sequences(data.validation, shape.context, args.eval_sequences, data.tokenizer.eos_token_id)
-    per_token = token_losses(model, sequences, args.eval_batch_size)
+    with timer.part("loss by position"):
+        per_token = token_losses(model, sequences, args.eval_batch_size)
     losses = per_token.mean(0, dtype=np.float64)
+    with timer.part("short context"):
+        short_context_losses = loss_with_short_context(model, sequences, shape.window, args.eval_batch_size)
+    with timer.part("SSM reset"):
+        reset_gains = ssm_reset_gain(model, sequences, losses, shape, args.eval_batch_size)
     result = {
         "evaluation_sequences": len(sequences),
         "mean_loss": round(float(losses.mean()), 4),
@@ -410,24 +435,26 @@ def evaluate(model, data: TokenizedCorpus, shape: Shape, args) -> dict:
             for name, (low, high) in position_buckets(shape.window, shape.context).items()
         },
         "loss_curve": binned_curve(losses),
-        "context_beyond_2W": context_gain(
-            losses, loss_with_short_context(model, sequences, shape.window, args.eval_batch_size), shape
-        ),
-        "ssm_beyond_reset": ssm_reset_gain(model, sequences, losses, shape, args.eval_batch_size),
+        "context_beyond_2W": context_gain(losses, short_context_losses, shape),
+        "ssm_beyond_reset": reset_gains,
         "repeated_bigrams": repeated_bigram_loss(sequences, per_token, shape.window),
         "passkey": {},
         "retrieval": {},
     }
-    for multiple in (0.5, 2, 4, 8, 16) if args.passkey_probes else ():
-        distance = int(multiple * shape.window)
-        probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, PROBE_SEED)
-        key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
-        result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
-    if args.retrieval_probes:
-        count = args.retrieval_probes
-        result["retrieval"] = retrieval_by_distance(
-            model, shape, args, RETRIEVAL_DISTANCES,
-            lambda distance: retrieval_probes(data.tokenizer, data.validation, distance, count, PROBE_SEED),
-        )  # fmt: skip
-    result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
+    with timer.part("passkey"):
+        for multiple in (0.5, 2, 4, 8, 16) if args.passkey_probes else ():
+            distance = int(multiple * shape.window)
+            probes = passkey_probes(data.tokenizer, data.validation, distance, args.passkey_probes, PROBE_SEED)
+            key = f"{multiple:g}W ({distance})" + (" >T" if len(probes[0].input_ids) + 1 > shape.context else "")
+            result["passkey"][key] = round(passkey_accuracy(model, probes, args.eval_batch_size), 3)
+    with timer.part("retrieval"):
+        if args.retrieval_probes:
+            count = args.retrieval_probes
+            result["retrieval"] = retrieval_by_distance(
+                model, shape, args, RETRIEVAL_DISTANCES,
+                lambda distance: retrieval_probes(data.tokenizer, data.validation, distance, count, PROBE_SEED),
+            )  # fmt: skip
+    with timer.part("SSM memory"):
+        result["ssm_memory"] = ssm_memory_stats(model, sequences[: args.eval_batch_size], shape.window)
+    result["seconds"] = timer.seconds
     return result
