@@ -127,8 +127,9 @@ class HybridConfig(PreTrainedConfig):
             Normalises each branch per head before the sum, with a learnable scale per branch and layer (as Hymba
             does): `o_proj(attn_branch_scale * rms(a) + ssm_branch_scale * rms(s))`, where `rms` divides each head's
             D values by their root mean square. Off, the plain sum `o_proj(a + s)`. A training lever of the memory
-            program (the branch is not drowned by the attention's scale); the scales start at 1. Needs the SSM
-            branch; upcycling does not offer it (the normalised attention would not be the checkpoint's).
+            program (the branch is not drowned by the attention's scale); the scales start at 1. With
+            `use_ssm_branch=False` the attention's output alone is normalised and scaled: the sliding-window control
+            of this option. Upcycling does not offer it (the normalised attention would not be the checkpoint's).
         use_ssm_kernels (`bool`, *optional*, defaults to `True`):
             Whether the SSM branch runs its Triton kernels (causal conv1d and selective scan) when the model is on a
             CUDA device. `False` forces the plain PyTorch reference path everywhere; CPU tensors always take it.
@@ -300,8 +301,6 @@ class HybridConfig(PreTrainedConfig):
             raise ValueError(
                 f"HybridConfig.ssm_conv_kernel_size must be an integer >= 2, got {self.ssm_conv_kernel_size!r}"
             )
-        if self.ssm_branch_norm and not self.use_ssm_branch:
-            raise ValueError("HybridConfig.ssm_branch_norm normalises the SSM branch, and use_ssm_branch is False")
         if self.ssm_dt_min > self.ssm_dt_max:
             raise ValueError(
                 f"HybridConfig.ssm_dt_min ({self.ssm_dt_min}) must not exceed ssm_dt_max ({self.ssm_dt_max})"

@@ -161,9 +161,10 @@ class HybridAttention(nn.Module):
         self.ssm = build_history_branch(config, layer_idx) if config.use_ssm_branch else None
         if config.ssm_branch_norm:  # one learnable scale per branch ([1], not 0-d: FSDP shards no scalars)
             self.attn_branch_scale = nn.Parameter(torch.ones(1))
-            self.ssm_branch_scale = nn.Parameter(torch.ones(1))
+            if self.ssm is not None:
+                self.ssm_branch_scale = nn.Parameter(torch.ones(1))
         # Scales, like a norm's weight: trained without weight decay (`modeling.training.HybridTrainer`).
-        self.no_weight_decay = ("attn_branch_scale", "ssm_branch_scale") if config.ssm_branch_norm else ()
+        self.no_weight_decay = tuple(name for name in ("attn_branch_scale", "ssm_branch_scale") if hasattr(self, name))
 
     def forward(
         self,
@@ -208,11 +209,12 @@ class HybridAttention(nn.Module):
 
         # 2. History branch on the same input, summed before the output projection (each branch normalised per head
         #    and scaled first with config.ssm_branch_norm).
+        eps = self.config.rms_norm_eps
+        if self.config.ssm_branch_norm:
+            attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
         if self.ssm is not None:
             ssm_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
             if self.config.ssm_branch_norm:
-                eps = self.config.rms_norm_eps
-                attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
                 ssm_output = self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
             attn_output = attn_output + ssm_output
         return self.o_proj(attn_output), attn_weights
@@ -296,7 +298,8 @@ class HybridPreTrainedModel(PreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, HybridAttention) and module.config.ssm_branch_norm:
             init.ones_(module.attn_branch_scale)
-            init.ones_(module.ssm_branch_scale)
+            if module.ssm is not None:
+                init.ones_(module.ssm_branch_scale)
         if isinstance(module, HistoryBranch):
             module.init_weights()
 

@@ -426,11 +426,12 @@ def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     assert abs(counts["swa-matched"] - counts["hybrid"]) <= per_64_columns / 2
     hybrid = build_model("hybrid", SMOKE_SHAPE, tokenizer, "sdpa", 0, {"ssm_dt_min": 1e-4})
     assert hybrid.config.ssm_dt_min == 1e-4
-    # a lever of the branch reaches the hybrid and leaves the baselines, which have no branch, as they are
+    # the branch normalisation reaches the sliding-window baselines too, as their control: their attention alone
     lever = {"ssm_branch_norm": True}
-    assert build_model("hybrid", SMOKE_SHAPE, tokenizer, "sdpa", 0, lever).config.ssm_branch_norm
-    for kind in ("swa", "swa-matched"):
-        assert not build_model(kind, SMOKE_SHAPE, tokenizer, "sdpa", 0, lever).config.ssm_branch_norm
+    for kind in MATCHED:
+        attention = build_model(kind, SMOKE_SHAPE, tokenizer, "sdpa", 0, lever).model.layers[0].self_attn
+        assert attention.config.ssm_branch_norm and hasattr(attention, "attn_branch_scale")
+        assert hasattr(attention, "ssm_branch_scale") == (kind == "hybrid")
 
 
 MATCHED = ("hybrid", "swa", "swa-matched")

@@ -201,9 +201,9 @@ def test_every_ssm_type_the_config_accepts_has_a_branch():
     assert set(SSM_TYPES) == set(HISTORY_BRANCHES)
 
 
-def test_branch_norm_needs_the_ssm_branch():
-    with pytest.raises(ValueError, match="ssm_branch_norm normalises the SSM branch, and use_ssm_branch is False"):
-        HybridConfig(use_ssm_branch=False, ssm_branch_norm=True)
+def test_branch_norm_without_the_ssm_branch_is_the_attentions_alone():
+    config = HybridConfig(use_ssm_branch=False, ssm_branch_norm=True)
+    assert config.ssm_branch_norm and not config.use_ssm_branch  # the control of the option (docs/DESIGN.md)
 
 
 def test_attention_only_config_is_the_transformers_twin_of_the_shapes():

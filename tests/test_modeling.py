@@ -480,3 +480,26 @@ def test_branch_norm_makes_each_branch_scale_free_and_weighs_them(make_model):
         layer.self_attn.attn_branch_scale.item() == layer.self_attn.ssm_branch_scale.item() == 1.0
         for layer in fresh.model.layers
     ), "the branch scales start at 1"
+
+
+def test_branch_norm_without_the_branch_normalises_the_attention_alone(make_model):
+    """The sliding-window control of ssm_branch_norm (use_ssm_branch=False): the attention's output normalised per head
+    and scaled, nothing else. Scaling v_proj leaves the logits as they were (without the option it does not), the
+    one scale weighs the attention, and there is no SSM scale to train."""
+    input_ids = torch.randint(3, 97, (2, 15), generator=torch.Generator().manual_seed(2))
+    for branch_norm in (True, False):
+        model = make_model(use_ssm_branch=False, ssm_branch_norm=branch_norm, rms_norm_eps=1e-12)
+        with torch.no_grad():
+            reference = model(input_ids).logits
+            for layer in model.model.layers:
+                layer.self_attn.v_proj.weight.mul_(0.25)
+            scaled = model(input_ids).logits
+        if branch_norm:
+            torch.testing.assert_close(scaled, reference, atol=1e-5, rtol=1e-5)
+            attention = model.model.layers[0].self_attn
+            assert attention.no_weight_decay == ("attn_branch_scale",) and not hasattr(attention, "ssm_branch_scale")
+            with torch.no_grad():
+                attention.attn_branch_scale.mul_(2.0)
+                assert (model(input_ids).logits - reference).abs().max() > 1e-2
+        else:
+            assert (scaled - reference).abs().max() > 1e-2

@@ -97,8 +97,6 @@ def build_model(
         common.update(sliding_window=shape.window, **(overrides or {}))
         if kind == "swa-matched":
             common["intermediate_size"] = parameter_matched_intermediate_size(HybridConfig(**common))
-        if kind != "hybrid":
-            common["ssm_branch_norm"] = False  # a lever of the SSM branch, which the baselines do not have
         model = HybridForCausalLM(HybridConfig(**common, use_ssm_branch=kind == "hybrid"))
     model.set_attn_implementation(attn_implementation)
     return model.cuda() if torch.cuda.is_available() else model
