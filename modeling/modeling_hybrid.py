@@ -207,8 +207,8 @@ class HybridAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*input_shape, -1)  # [B, T, H*D]
 
-        # 2. History branch on the same input, summed before the output projection (each branch normalised per head
-        #    and scaled first with config.ssm_branch_norm).
+        # 2. History branch on the same input, summed before the output projection. With config.ssm_branch_norm the
+        #    attention's output and the branch's (where there is one) are each normalised per head and scaled first.
         eps = self.config.rms_norm_eps
         if self.config.ssm_branch_norm:
             attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)

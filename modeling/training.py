@@ -442,8 +442,8 @@ def main(argv=None):
         model = HybridForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     elif args.config:
         config = HybridConfig.from_json_file(args.config)
-        if args.no_ssm:  # the attention-only control: no branch, and nothing that normalises it
-            config.use_ssm_branch = config.ssm_branch_norm = False
+        if args.no_ssm:  # the attention-only control: the same config without the branch (ssm_branch_norm, if
+            config.use_ssm_branch = False  # set, then normalises the attention alone, as bench_lm's controls do)
         model = HybridForCausalLM(config)
     else:
         model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=not args.no_ssm))

@@ -110,6 +110,9 @@ case "${1:-kernels}" in
     status=$?
     ((status == 124)) && echo "bench_lm.py ran out of the call's time: only the models finished before are saved"
     cp outputs/bench_lm/results-*.json "$OUT/" 2>/dev/null
+    for record in outputs/bench_lm/*/trained/training.json; do  # --stage train's records (a run's training figures)
+      [[ -f $record ]] && cp "$record" "$OUT/training-$(basename "$(dirname "$(dirname "$record")")").json"
+    done
     grep -v "it/s\]\|^{'loss'" "$OUT/$name.log" | tail -40
     exit "$status"
     ;;

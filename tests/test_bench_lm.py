@@ -415,6 +415,9 @@ def test_training_format_probes_ask_what_the_data_lever_teaches(code_tokenizer_a
     assert probes == training_format_probes(tokenizer, files, distance=60, count=12, seed=0)  # fixed for every model
 
 
+MATCHED = ("hybrid", "swa", "swa-matched")
+
+
 def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
     tokenizer, _ = code_tokenizer_and_files
     shape = Shape(
@@ -433,8 +436,6 @@ def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
         assert attention.config.ssm_branch_norm and hasattr(attention, "attn_branch_scale")
         assert hasattr(attention, "ssm_branch_scale") == (kind == "hybrid")
 
-
-MATCHED = ("hybrid", "swa", "swa-matched")
 
 
 def test_bad_arguments_are_refused(capsys):
@@ -522,8 +523,10 @@ def test_a_run_split_into_train_and_evaluate_stages_gives_the_one_process_result
     staged = [*run, "--output-dir", str(tmp_path / "two"), "--tag", "staged"]
     assert cli.main([*staged, "--stage", "train"]) == 0
     assert not list((tmp_path / "two").glob("results-*.json"))
-    with pytest.raises(SystemExit, match="the arguments of --stage train"):
-        cli.main([*staged, "--stage", "evaluate", "--seed", "2"])
+    for other in (["--seed", "2"], ["--corpus-bytes", str(3 << 20)]):  # another model, other data
+        with pytest.raises(SystemExit) as error:
+            cli.main([*staged, "--stage", "evaluate", *other])
+        assert error.value.code == 2 and "the arguments of --stage train" in capsys.readouterr().err
     assert cli.main([*staged, "--stage", "evaluate"]) == 0
     one = json.loads((tmp_path / "one" / "results-hybrid.json").read_text())
     two = json.loads((tmp_path / "two" / "results-hybrid-staged.json").read_text())

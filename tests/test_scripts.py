@@ -84,8 +84,8 @@ def test_demo_training_recalls_beyond_the_window_where_the_control_guesses(tmp_p
 
 
 def test_train_no_ssm_from_a_config_with_branch_norm_trains_the_attention_only_control(tmp_path):
-    """`--config` with `ssm_branch_norm` and `--no-ssm`: the control has neither the branch nor its normalisation
-    (a config with the second and not the first would not save)."""
+    """`--config` with `ssm_branch_norm` and `--no-ssm`: the control is the same config without the branch, its
+    attention still normalised (as bench_lm's sliding-window controls of the option)."""
     config_path = tmp_path / "config.json"
     small_recall_config(RecallTask().build_tokenizer(), ssm_branch_norm=True).to_json_file(config_path)
     out = tmp_path / "control"
@@ -93,7 +93,7 @@ def test_train_no_ssm_from_a_config_with_branch_norm_trains_the_attention_only_c
         ["--config", str(config_path), "--no-ssm", "--steps", "1", "--batch-size", "2", "--output-dir", str(out)]
     )
     saved = json.loads((out / "config.json").read_text())
-    assert saved["use_ssm_branch"] is False and saved["ssm_branch_norm"] is False
+    assert saved["use_ssm_branch"] is False and saved["ssm_branch_norm"] is True
 
 
 def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):

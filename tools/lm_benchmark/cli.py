@@ -62,7 +62,7 @@ from ..provenance import head_commit
 from modeling.history import HistoryBranch
 from modeling.training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
-from .evaluation import evaluate
+from .evaluation import PartTimer, evaluate
 from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, load_trained, model_to_train, teacher_dir
 from .report import plot, plot_decision, print_table
 from .retrieval_data import WithSyntheticRetrievals, training_format_retrieval
@@ -85,11 +85,16 @@ def longest_retrieval_gap(shape: Shape) -> int:
 
 
 def run_settings(kind: str, shape: Shape, args) -> dict:
-    """What makes a run's model what it is, recorded by `--stage train` and checked by `--stage evaluate`."""
-    return {
+    """What makes a run's model what it is (its data included), recorded by `--stage train` and checked by
+    `--stage evaluate`, as JSON reads it back."""
+    settings = {
         "model": kind, "shape": asdict(shape), "seed": args.seed, "config_overrides": args.config_overrides,
-        "retrieval_data_share": args.retrieval_data_share, "short_window": args.short_window, "lr": args.lr,
+        "lr": args.lr, "retrieval_data_share": args.retrieval_data_share, "short_window": args.short_window,
+        "short_window_prob": args.short_window_prob, "short_window_until": args.short_window_until,
+        "corpus_bytes": args.corpus_bytes, "validation_fraction": args.validation_fraction,
+        "tokenizer_bytes": args.tokenizer_bytes,
     }  # fmt: skip
+    return json.loads(json.dumps(settings))
 
 
 def run_name(kind: str, args) -> str:
@@ -107,11 +112,9 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     if args.stage == "evaluate":
         saved = trained_dir(kind, args)
         training = json.loads((saved / "training.json").read_text())
-        if training["settings"] != json.loads(json.dumps(run_settings(kind, shape, args))):
-            raise SystemExit(
-                f"--stage evaluate: {saved} was trained with {training['settings']}, and these arguments say "
-                f"{run_settings(kind, shape, args)}: give --stage evaluate the arguments of --stage train"
-            )
+        if training["corpus_list_sha256"] != data.stats["list_sha256"]:
+            raise SystemExit(f"--stage evaluate: {saved} was trained on another corpus than this machine's")
+        args.attn = training["attn"]  # what it trained with (after any fallback), for its record
         model = load_trained(kind, saved, args.attn)
         print(f"\n== {kind}: {model.num_parameters():,} parameters, trained by `{training['command']}`; evaluating")
         return evaluate_model(kind, model, data, shape, training, args)
@@ -141,7 +144,10 @@ def run_model(kind: str, data: TokenizedCorpus, shape: Shape, steps: int, args) 
     if args.stage == "train":
         saved = trained_dir(kind, args)
         model.save_pretrained(saved)
-        record = {**training, "command": " ".join(sys.argv), "settings": run_settings(kind, shape, args)}
+        record = {
+            **training, "command": " ".join(sys.argv), "settings": run_settings(kind, shape, args),
+            "attn": args.attn, "corpus_list_sha256": data.stats["list_sha256"],
+        }  # fmt: skip
         (saved / "training.json").write_text(json.dumps(record, indent=1))
         print(f"== {kind}: saved to {saved} for --stage evaluate")
         return None
@@ -152,8 +158,11 @@ def evaluate_model(kind: str, model, data: TokenizedCorpus, shape: Shape, traini
     """Evaluates a trained model; returns its results record."""
     evaluation = evaluate(model, data, shape, args)
     if args.retrieval_data_share and args.retrieval_probes:
-        gap = longest_retrieval_gap(shape)
-        evaluation["retrieval_training_formats"] = training_format_retrieval(model, data, shape, args, gap)
+        timer = PartTimer()
+        with timer.part("retrieval, training formats"):
+            gap = longest_retrieval_gap(shape)
+            evaluation["retrieval_training_formats"] = training_format_retrieval(model, data, shape, args, gap)
+        evaluation["seconds"].update(timer.seconds)
     distillation = {}
     if kind in FROM_TEACHER and kind != "upcycled":
         distillation = {"teacher": str(teacher_dir(args)), "mode": args.distill_mode, "learning_rate": args.distill_lr}
@@ -272,13 +281,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.eval_sequences, args.passkey_probes, args.retrieval_probes = 16, 16, 6
     elif args.steps is None and args.train_seconds is None and not args.prepare_only and args.stage != "evaluate":
         parser.error("give --steps or --train-seconds (or --smoke, or --report)")
-    staged = [kind for kind in args.models if kind in FROM_TEACHER]
-    if args.stage != "all" and staged:
-        parser.error(f"--stage {args.stage} runs models trained from scratch; not {', '.join(staged)}")
-    if args.stage == "evaluate":
-        missing = [kind for kind in args.models if not (trained_dir(kind, args) / "training.json").exists()]
-        if missing:
-            parser.error(f"--stage evaluate: no trained model at {trained_dir(missing[0], args)} (--stage train first)")
+    not_from_scratch = [kind for kind in args.models if kind in FROM_TEACHER]
+    if args.stage != "all" and not_from_scratch:
+        parser.error(f"--stage {args.stage} runs models trained from scratch; not {', '.join(not_from_scratch)}")
     if not 0 <= args.retrieval_data_share <= 1:
         parser.error(f"--retrieval-data-share must lie in [0, 1], got {args.retrieval_data_share}")
     if args.distill_mode not in TRAINING_MODES:
@@ -293,7 +298,24 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"first, or give --teacher (no checkpoint at {teacher_dir(args)})"
         )
     args.attn = args.attn or ("flex_attention" if torch.cuda.is_available() else "sdpa")
+    if args.stage == "evaluate":
+        check_trained_models(parser, args)
     return args
+
+
+def check_trained_models(parser, args) -> None:
+    """`--stage evaluate`: every model was trained by `--stage train` with these arguments' settings."""
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    for kind in args.models:
+        record = trained_dir(kind, args) / "training.json"
+        if not record.exists():
+            parser.error(f"--stage evaluate: no trained model at {record.parent} (--stage train first)")
+        trained = json.loads(record.read_text())["settings"]
+        if trained != run_settings(kind, shape, args):
+            parser.error(
+                f"--stage evaluate: {record.parent} was trained with {trained}, and these arguments say "
+                f"{run_settings(kind, shape, args)}: give --stage evaluate the arguments of --stage train"
+            )
 
 
 def config_overrides(parser, assignments: list[str]) -> dict:
@@ -347,7 +369,7 @@ def main(argv=None) -> int:
         return 0
     # The first trained model's probe compiles and times its training, and checks that the attention implementation
     # trains.
-    trained = [kind for kind in args.models if kind != "upcycled" and args.stage != "evaluate"]
+    trained = [] if args.stage == "evaluate" else [kind for kind in args.models if kind != "upcycled"]
     steps = args.steps
     if trained:
         try:

@@ -318,12 +318,14 @@ def continuation_logprob(
             mask[row, length - len(tokens) :] = 1
         with autocast():
             logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        means = []
         for row, continuation in enumerate(continuations[start : start + batch_size]):
             n = len(continuation)
             # The positions before each continuation token, normalised there alone (on the device: a row's whole
             # [length, vocab] never leaves it).
             log_probs = logits[row, length - n - 1 : length - 1].float().log_softmax(-1)
-            scores.append(float(log_probs.gather(-1, torch.tensor(continuation, device=device)[:, None]).mean()))
+            means.append(log_probs.gather(-1, torch.tensor(continuation, device=device)[:, None]).mean())
+        scores.extend(torch.stack(means).tolist())
     return np.asarray(scores)
 
 
@@ -406,6 +408,8 @@ class PartTimer:
 
     @contextlib.contextmanager
     def part(self, name: str):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         yield
         if torch.cuda.is_available():
