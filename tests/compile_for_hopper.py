@@ -136,7 +136,27 @@ def serving_state_kernels():
     zero_new_states_(torch.randn(5, 3, 40, dtype=torch.bfloat16).transpose(1, 2), indices, has_initial_state, 0)
 
 
-CASES = (model_training_and_decode_steps, serving_ssm_kernels, serving_attention_kernels, serving_state_kernels)
+def mamba2_decode_kernel():
+    """The Mamba-2 branch's decode update as generate() on a bf16 model calls it: x, B and C bf16 views of the conv's
+    output, the step in fp32, D in bf16, over an fp32 and a bf16 state cache (rows owning their slots), and with
+    scattered slots and first-token flags."""
+    from modeling.ops.ssd.decode import ssd_state_update
+
+    rows, heads, head_dim, groups, state = 3, 4, 64, 1, 128
+    conv_out = torch.randn(rows, heads * head_dim + 2 * groups * state, dtype=torch.bfloat16)
+    x = conv_out[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    B, C = conv_out[:, heads * head_dim :].unflatten(-1, (2, groups, state)).unbind(1)
+    step, A, D = torch.rand(rows, heads), -torch.rand(heads), torch.randn(heads, dtype=torch.bfloat16)
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        ssd_state_update(torch.zeros(rows, heads, head_dim, state, dtype=cache_dtype), x, step, A, B, C, D)
+    slots, has_initial_state = torch.tensor([3, 0, 1], dtype=torch.int32), torch.tensor([True, False, True])
+    ssd_state_update(torch.zeros(5, heads, head_dim, state), x, step, A, B, C, D, slots, has_initial_state)
+
+
+CASES = (
+    model_training_and_decode_steps, mamba2_decode_kernel, serving_ssm_kernels, serving_attention_kernels,
+    serving_state_kernels,
+)  # fmt: skip
 
 if __name__ == "__main__":
     JITFunction.run = compile_instead_of_launching

@@ -4,6 +4,7 @@ only for CUDA tensors, so these tests hand them over explicitly); on a GPU, the 
 
 import pytest
 import torch
+from conftest import MAMBA2_BRANCH
 
 from modeling import HybridStaticCache
 from modeling.history import mamba1
@@ -168,7 +169,9 @@ def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_
         torch.testing.assert_close(state, ref_state, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)")
+@pytest.mark.skipif(
+    not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)"
+)
 def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
     """`torch.compile(fullgraph=True)` of a training forward on the kernels, as `Trainer(torch_compile=True)` compiles
     the model: Dynamo traces the branch's autograd function and its Triton launches without a graph break (the README
@@ -184,7 +187,9 @@ def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
     (eager_loss, eager_grads), (compiled_loss, compiled_grads) = steps
     torch.testing.assert_close(compiled_loss, eager_loss, atol=1e-5, rtol=1e-5)
     for name, grad in compiled_grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], atol=1e-4, rtol=1e-3, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grad, eager_grads[name], atol=1e-4, rtol=1e-3, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.skipif(not ON_GPU, reason="generate() compiles its decode step (CUDA graphs) on CUDA only")
@@ -240,3 +245,19 @@ def test_packed_training_on_the_kernels_gives_each_sequence_its_own_loss_and_gra
         start += ids.shape[1]
     for name, param in model.named_parameters():
         torch.testing.assert_close(packed_grads[name], param.grad, atol=2e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Mamba-2 branch takes its kernels for CUDA tensors only")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_mamba2_generation_on_the_kernels_is_the_reference_paths(make_model, cache):
+    """The Mamba-2 branch on CUDA (the conv's Triton kernels, the compiled scan and norm, the decode update's kernel)
+    against the same model forced onto the references: greedy tokens and logits, prefill and cached decode steps,
+    with the dynamic cache and with the static one (its decode step compiled by generate())."""
+    kernel_model, reference_model = kernel_and_reference_models(make_model, **MAMBA2_BRANCH)
+    input_ids = torch.randint(3, 97, (2, 11), device=DEVICE)
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        out = kernel_model.generate(input_ids, cache_implementation=cache, **kwargs)
+        ref = reference_model.generate(input_ids, cache_implementation=cache, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)

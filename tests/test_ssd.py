@@ -251,3 +251,69 @@ def test_the_compiled_scan_compiles_once_per_kind_of_call_not_per_shape():
     # Dynamo's own rule compiled 7 for these 5 calls, and a three-operand einsum planned by opt_einsum (installed on
     # the GPU images and by the dev extras) 6: its plan read the batch and chunk count as constants.
     assert counters["stats"]["unique_graphs"] == len(kinds) + 1
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU machines the kernel runs in Triton's interpreter
+
+
+def decode_case(seed, rows, heads, head_dim, groups, state, slots, cache_dtype, input_dtype):
+    """One decode step's inputs, the inputs as views of one conv output [R, H*P + 2*G*N] as the model hands them."""
+    g = torch.Generator().manual_seed(seed)
+    conv_out = torch.randn(rows, heads * head_dim + 2 * groups * state, generator=g).to(DEVICE, input_dtype)
+    x = conv_out[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    B, C = conv_out[:, heads * head_dim :].unflatten(-1, (2, groups, state)).unbind(1)
+    return {
+        "state_cache": (torch.randn(slots, heads, head_dim, state, generator=g) * 2).to(DEVICE, cache_dtype),
+        "x": x, "dt": (torch.randn(rows, heads, generator=g) * 0.8).to(DEVICE), "B": B, "C": C,
+        "A": -(torch.rand(heads, generator=g) * 3 + 0.2).to(DEVICE), "D": torch.randn(heads, generator=g).to(DEVICE),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
+@pytest.mark.parametrize("slots_given", [False, True], ids=["row-owns-slot", "state-indices"])
+@pytest.mark.parametrize("raw_dt", [False, True], ids=["step", "raw-dt-bias-softplus"])
+@pytest.mark.parametrize("shape", [(3, 4, 12, 2, 16), (2, 2, 80, 1, 10)], ids=["groups-2", "P80-N10"])
+def test_the_decode_kernel_is_its_reference(cache_dtype, slots_given, raw_dt, shape):
+    """`ssd_state_update` (one launch) against `ssd_state_update_ref`: y and every slot of the cache, requests in
+    their own slots (None) or scattered over the cache with a first token among them (has_initial_state False,
+    whatever its slot holds), heads sharing B and C by groups, head_dim beyond one block of 64, N no power of two,
+    bf16 inputs over an fp32 or bf16 cache, the raw dt with its bias and softplus."""
+    from modeling.ops.ssd.decode import ssd_state_update
+
+    rows, heads, head_dim, groups, state = shape
+    case = decode_case(1, rows, heads, head_dim, groups, state, rows + 3, cache_dtype, torch.bfloat16)
+    kwargs = {}
+    if raw_dt:
+        kwargs = {"dt_bias": torch.randn(heads, generator=torch.Generator().manual_seed(2)).to(DEVICE),
+                  "dt_softplus": True}  # fmt: skip
+    else:
+        case["dt"] = F.softplus(case["dt"])
+    positional = [case[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    if slots_given:
+        slots = torch.randperm(rows + 3, generator=torch.Generator().manual_seed(3))[:rows].to(DEVICE, torch.int32)
+        has_initial = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+        has_initial[-1] = False
+        positional += [slots, has_initial]
+    cache, expected_cache = case["state_cache"].clone(), case["state_cache"].clone()
+    out = torch.full((rows, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    returned = ssd_state_update(cache, *positional, out=out, **kwargs)
+    expected = ssd_state_update_ref(expected_cache, *positional, **kwargs)
+    assert returned is out and out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)  # both round y to bf16
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if cache_dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(cache.float(), expected_cache.float(), **tolerance)  # the untouched slots too
+
+
+def test_the_decode_kernel_refuses_what_it_cannot_read():
+    from modeling.ops.ssd.decode import ssd_state_update
+
+    case = decode_case(4, 2, 4, 8, 2, 16, 2, torch.float32, torch.float32)
+    args = [case["state_cache"], *(case[k] for k in ("x", "dt", "A", "B", "C", "D"))]
+    for position, bad, message in (
+        (1, case["x"].transpose(1, 2).contiguous().transpose(1, 2), "x: the last dimension must be contiguous"),
+        (3, case["A"].double(), "A: expected fp32"),
+        (4, case["B"][:, :1].expand(-1, 3, -1), "B: expected"),
+        (0, case["state_cache"][:1], "1 slots for 2 requests"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ssd_state_update(*args[:position], bad, *args[position + 1 :])

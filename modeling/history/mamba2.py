@@ -26,11 +26,12 @@ from ..ops import (
 from .branch import HistoryBranch
 
 # On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan and the
-# gated norm compiled by Inductor. The decode step's state update runs its reference.
-causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan = gated_rms_norm = None
+# gated norm compiled by Inductor, the decode step's state update in its Triton kernel.
+causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan = gated_rms_norm = ssd_state_update = None
 if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
     from ..ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
+    from ..ops.ssd.decode import ssd_state_update
 
 
 class Mamba2GatedRMSNorm(nn.Module):
@@ -145,6 +146,7 @@ class Mamba2Branch(HistoryBranch):
         batch = xBC.shape[0]
         rows = torch.arange(batch, device=xBC.device, dtype=torch.int32)  # row i owns cache row i
         conv_update = causal_conv1d_update if on_kernels else causal_conv1d_update_ref
+        state_update = ssd_state_update if on_kernels else ssd_state_update_ref
         conv_state = layer_cache.conv_states[0]
         xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
         x, B, C = self._heads_and_groups(xBC)
@@ -152,7 +154,7 @@ class Mamba2Branch(HistoryBranch):
         if padding_mask is not None:
             dt = dt * padding_mask[:, -1:].to(dt.dtype)
         # Row i owns cache row i.
-        y = ssd_state_update_ref(layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D)
+        y = state_update(layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D)
         return self.norm(y.reshape(batch, 1, -1), z)
 
     def _heads_and_groups(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

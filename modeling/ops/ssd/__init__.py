@@ -7,6 +7,9 @@ reference.py   the plain-PyTorch references: the recurrence token by token (`ssd
 
 compiled.py    the scan and the norm on CUDA: their references compiled by TorchInductor (`ssd_chunk_scan`,
                `gated_rms_norm`; import it where they are used, as the other ops' kernel modules)
+
+decode.py      the decode update's Triton kernel (`ssd_state_update`, the reference's contract; a custom op under
+               torch.compile)
 """
 
 from .reference import (
