@@ -317,3 +317,18 @@ def test_the_decode_kernel_refuses_what_it_cannot_read():
     ):
         with pytest.raises(ValueError, match=message):
             ssd_state_update(*args[:position], bad, *args[position + 1 :])
+
+
+def test_the_decode_kernel_is_one_op_in_a_compiled_graph():
+    """Under `torch.compile(fullgraph=True)` (as generate() compiles a static-cache decode step) the decode update
+    enters the graph as its custom op, no graph break, and updates the cache and writes y as in eager mode."""
+    from modeling.ops.ssd.decode import ssd_state_update
+
+    case = decode_case(5, 2, 4, 8, 2, 16, 2, torch.float32, torch.float32)
+    args = [case[k] for k in ("x", "dt", "A", "B", "C", "D")]
+    caches = [case["state_cache"].clone() for _ in range(2)]
+    eager = ssd_state_update(caches[0], *args)
+    compiled = torch.compile(ssd_state_update, fullgraph=True, backend="aot_eager")(caches[1], *args)
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(caches[1], caches[0])
+    assert not torch.equal(caches[1], case["state_cache"])  # the compiled call did update the cache
