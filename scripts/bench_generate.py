@@ -5,6 +5,7 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
     python scripts/bench_generate.py --profile                        # also each model's top kernels and host syncs
     python scripts/bench_generate.py --caches dynamic,static          # also the static cache (compiled decode step)
     python scripts/bench_generate.py --shape small                    # the ~400M training-benchmark shape
+    python scripts/bench_generate.py --models hybrid,hybrid-mamba2,swa  # also the hybrid with a Mamba-2 branch
     python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
 
 Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
@@ -40,18 +41,26 @@ SHAPES = {
 HOST_SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def build_models(shape: dict, max_len: int, device: str, dtype: torch.dtype) -> dict:
+# What `--models` takes: the hybrid (Mamba-1 branch), the hybrid with the serving benchmark's Mamba-2 branch, and
+# the anchor, Transformers' Mistral of the same shapes.
+MODELS = ("hybrid", "hybrid-mamba2", "swa")
+
+
+def build_models(shape: dict, max_len: int, device: str, dtype: torch.dtype, names=("hybrid", "swa")) -> dict:
     from transformers import MistralForCausalLM
 
     torch.manual_seed(0)
-    hybrid = hybrid_config(shape, max_len)
     # The serving baseline's config names every layer's type for vLLM; Transformers' Mistral slides every layer by
     # `sliding_window` alone, and with `layer_types` set its forward cannot take the masks generate() builds for a
     # static cache.
-    swa = baseline_config("swa", hybrid)
+    swa = baseline_config("swa", hybrid_config(shape, max_len))
     del swa.layer_types
+    models = {}
     with torch.device(device):
-        models = {"hybrid": HybridForCausalLM(hybrid), "swa": MistralForCausalLM(swa)}
+        for name in names:
+            models[name] = (
+                MistralForCausalLM(swa) if name == "swa" else HybridForCausalLM(hybrid_config(shape, max_len, name))
+            )
     return {name: model.to(dtype).eval() for name, model in models.items()}
 
 
@@ -142,6 +151,7 @@ def main(argv=None) -> int:
         "--caches", default="dynamic", help="comma-separated cache implementations: dynamic, static (default dynamic)"
     )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="serving", help="model shape (default serving)")
+    parser.add_argument("--models", default="hybrid,swa", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--profile", action="store_true", help="also each model's top kernels and host syncs")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths, on CPU in fp32")
     parser.add_argument("--json", help="write the results here")
@@ -150,6 +160,11 @@ def main(argv=None) -> int:
     caches = args.caches.split(",")
     if not set(caches) <= {"dynamic", "static"}:
         parser.error(f"--caches: expected dynamic and/or static, got {args.caches!r}")
+    names = args.models.split(",")
+    if not set(names) <= set(MODELS) or "swa" not in names:
+        parser.error(
+            f"--models: expected some of {', '.join(MODELS)}, swa (the anchor) among them; got {args.models!r}"
+        )
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the decode step is timed from the tokens after the first")
     if args.smoke:
@@ -162,22 +177,28 @@ def main(argv=None) -> int:
 
     if device == "cuda":
         torch._logging.set_logs(perf_hints=True)  # why Inductor skips CUDA graphs for a graph, if it does
-    models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype)
+    models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype, names)
     results = {}
     for cache in caches:
         for name, model in models.items():
             row = results.setdefault(cache, {})[name] = measure(model, args, device, cache)
             print(
-                f"{name:7s} {cache:8s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
+                f"{name:13s} {cache:8s} new tok/s {row['new_tok_per_s']:9.1f}   whole {row['whole_s']:.3f} s   "
                 f"prefill {row['prefill_s']:.3f} s   decode step {row['decode_step_ms']:.2f} ms   "
                 f"graphs run without CUDA graphs {row['cudagraph_skips']}",
                 flush=True,
             )
             if args.profile:
                 print(f"host syncs per new token: {row['host_syncs_per_token']:.2f}\n{row['top_kernels']}", flush=True)
-    ratios = {cache: rows["hybrid"]["new_tok_per_s"] / rows["swa"]["new_tok_per_s"] for cache, rows in results.items()}
-    for cache, ratio in ratios.items():
-        print(f"hybrid / swa new tok/s, {cache} cache: {ratio:.3f}x")
+    ratios = {
+        cache: {
+            name: row["new_tok_per_s"] / rows["swa"]["new_tok_per_s"] for name, row in rows.items() if name != "swa"
+        }
+        for cache, rows in results.items()
+    }
+    for cache, by_model in ratios.items():
+        for name, ratio in by_model.items():
+            print(f"{name} / swa new tok/s, {cache} cache: {ratio:.3f}x")
 
     if args.json:
         meta = {
@@ -192,10 +213,10 @@ def main(argv=None) -> int:
                 "dtype": str(dtype),
                 "shape_name": "smoke" if args.smoke else args.shape,
                 "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
-                "attn_implementation": models["hybrid"].config._attn_implementation,
+                "attn_implementation": models["swa"].config._attn_implementation,
             },
         }
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "hybrid_over_swa": ratios}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "over_swa": ratios}, indent=1))
     return 0
 
 

@@ -95,7 +95,8 @@ case "${1:-kernels}" in
     python3 scripts/bisect_train_step.py . "$@" --swa-tree . --rounds "${STEP_ROUNDS:-3}" --profile-trees . \
       --budget-s "${STEP_BUDGET_S:-200}" --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -12
     train_status=${PIPESTATUS[0]}
-    timeout "${GENERATE_TIMEOUT_S:-330}" python3 scripts/bench_generate.py --shape small --caches "${GENERATE_CACHES:-static,dynamic}" --repeats 3 \
+    timeout "${GENERATE_TIMEOUT_S:-330}" python3 scripts/bench_generate.py --shape small --caches "${GENERATE_CACHES:-static,dynamic}" \
+      --models "${GENERATE_MODELS:-hybrid,swa}" --repeats 3 \
       --json "$OUT/generate_small.json" 2>&1 | tee "$OUT/generate_small.log" | tail -8
     exit $((train_status || PIPESTATUS[0]))
     ;;
