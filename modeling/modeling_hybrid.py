@@ -209,8 +209,8 @@ class HybridAttention(nn.Module):
 
         # 2. History branch on the same input, summed before the output projection. With config.ssm_branch_norm the
         #    attention's output and the branch's (where there is one) are each normalised per head and scaled first.
-        eps = self.config.rms_norm_eps
         if self.config.ssm_branch_norm:
+            eps = self.config.rms_norm_eps
             attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
         if self.ssm is not None:
             ssm_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)

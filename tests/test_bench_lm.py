@@ -437,7 +437,6 @@ def test_swa_matched_has_the_hybrids_parameters(code_tokenizer_and_files):
         assert hasattr(attention, "ssm_branch_scale") == (kind == "hybrid")
 
 
-
 def test_bad_arguments_are_refused(capsys):
     for argv, message in (
         (["--models", "hybrid,bogus", "--steps", "3"], "bogus"),

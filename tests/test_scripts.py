@@ -178,9 +178,9 @@ def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
 
 
 def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
-    """bench_generate.py --smoke on CPU, both caches, the Mamba-1 and Mamba-2 hybrids and Mistral: every model generates
-    exactly the requested tokens in every timed run (the script refuses a short output), and each rate is the workload
-    over the median of those runs."""
+    """bench_generate.py --smoke on CPU, both caches, the Mamba-1 and Mamba-2 hybrids and Mistral: every model
+    generates exactly the requested tokens in every timed run (the script refuses a short output), and each rate is the
+    workload over the median of those runs."""
     result = tmp_path / "generate.json"
     command = [sys.executable, str(REPO_ROOT / "scripts" / "bench_generate.py"), "--smoke", "--repeats", "2"]
     done = subprocess.run(

@@ -310,11 +310,11 @@ def check_trained_models(parser, args) -> None:
         record = trained_dir(kind, args) / "training.json"
         if not record.exists():
             parser.error(f"--stage evaluate: no trained model at {record.parent} (--stage train first)")
-        trained = json.loads(record.read_text())["settings"]
-        if trained != run_settings(kind, shape, args):
+        trained, given = json.loads(record.read_text())["settings"], run_settings(kind, shape, args)
+        if trained != given:
             parser.error(
-                f"--stage evaluate: {record.parent} was trained with {trained}, and these arguments say "
-                f"{run_settings(kind, shape, args)}: give --stage evaluate the arguments of --stage train"
+                f"--stage evaluate: {record.parent} was trained with {trained}, and these arguments say {given}: give "
+                "--stage evaluate the arguments of --stage train"
             )
 
 

@@ -98,6 +98,12 @@ def build_model(
         if kind == "swa-matched":
             common["intermediate_size"] = parameter_matched_intermediate_size(HybridConfig(**common))
         model = HybridForCausalLM(HybridConfig(**common, use_ssm_branch=kind == "hybrid"))
+    return placed(model, attn_implementation)
+
+
+def placed(model: torch.nn.Module, attn_implementation: str) -> torch.nn.Module:
+    """`model` with the attention implementation it trains with, on the GPU if any: where every benchmark model runs
+    (built, loaded or made from the teacher)."""
     model.set_attn_implementation(attn_implementation)
     return model.cuda() if torch.cuda.is_available() else model
 
@@ -105,9 +111,7 @@ def build_model(
 def load_trained(kind: str, path: Path, attn_implementation: str) -> torch.nn.Module:
     """A `kind` model trained from scratch and saved by `--stage train`, as `build_model` places it."""
     model_class = LlamaForCausalLM if kind == "full" else HybridForCausalLM
-    model = model_class.from_pretrained(path, dtype=torch.float32)
-    model.set_attn_implementation(attn_implementation)
-    return model.cuda() if torch.cuda.is_available() else model
+    return placed(model_class.from_pretrained(path, dtype=torch.float32), attn_implementation)
 
 
 def teacher_dir(args) -> Path:
@@ -133,8 +137,7 @@ def build_from_teacher(kind: str, shape: Shape, args) -> torch.nn.Module:
         model.load_state_dict({name: t for name, t in tensors.items() if not is_ssm_parameter(name)})
     else:
         model = HybridForCausalLM.from_pretrained(upcycled_dir)
-    model.set_attn_implementation(args.attn)
-    return model.cuda() if torch.cuda.is_available() else model
+    return placed(model, args.attn)
 
 
 def load_teacher(args) -> torch.nn.Module:
