@@ -1,6 +1,9 @@
-"""Host-side work of one SSM branch's training step (forward + backward of `Mamba1Branch` alone), on the fused op
-(`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on x_proj, as an adapter
-would): aten ops dispatched, autograd nodes recorded, Triton launches, and the host time per step.
+"""Host-side work of the SSM branch: by default one branch's training step (forward + backward of `Mamba1Branch`
+alone), on the fused op (`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on
+x_proj, as an adapter would); with `--decode`, one cached decode step of the whole model as `generate()` runs it with
+the dynamic cache, the hybrid with its branch step as one op (`mamba_inner_step`) and through its modules, against
+Transformers' Mistral of the same shapes (`bench_generate.py --shape small`, narrowed to `--hidden`). Reported: aten
+ops dispatched, autograd nodes recorded (training), Triton launches, and the host time per step.
 
 On a GPU the time is the host's alone: the step is issued and timed without waiting for the GPU (each repeat
 synchronises once at its end, outside the timed loop's per-step cost, which is averaged over `--steps` steps).
@@ -9,6 +12,7 @@ what is timed is the branch's own Python and aten work (the interpreter's is not
 
     python scripts/bench_host_work.py                      # GPU: the issue-36 probe's layer width (hidden 1024, E 2048)
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200
+    TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64
 """
 
 import argparse
@@ -98,10 +102,77 @@ def python_profile(step, steps: int, top: int) -> str:
     return table.getvalue()
 
 
+def timed_steps(step, args, device: str) -> list[float]:
+    """Milliseconds per call of `step`, one figure per repeat of `args.steps` calls (host time on a GPU)."""
+    times = []
+    for _ in range(args.repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        times.append((time.perf_counter() - start) / args.steps * 1e3)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return times
+
+
+def decode_host_work(args, device: str) -> dict:
+    """One cached decode step of the whole model, batch `args.batch` after a 64-token prompt, for the hybrid on its
+    branch step (`fused`), the hybrid through its modules (`modules`: a no-op hook on every x_proj) and Mistral."""
+    from bench_generate import SHAPES, build_models
+
+    shape = dict(
+        SHAPES["small"], hidden_size=args.hidden, intermediate_size=11 * args.hidden // 4,
+        ssm_intermediate_size=args.hidden, window=min(SHAPES["small"]["window"], 64),
+    )  # fmt: skip
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    models = build_models(shape, 64 + args.steps * (args.repeats + 2), device, dtype)
+    layers = models["hybrid"].config.num_hidden_layers
+    prompt = torch.randint(3, shape["vocab_size"], (args.batch, 64), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for path, model in (("fused", models["hybrid"]), ("modules", models["hybrid"]), ("mistral", models["swa"])):
+        hooks = []
+        if path == "modules":
+            hooks = [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
+        # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
+        mask = torch.ones(args.batch, 64 + args.steps * (args.repeats + 2), dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = model(prompt.to(device), attention_mask=mask[:, :64], use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+
+            def step(model=model, cache=cache, token=token, mask=mask):
+                length = cache.get_seq_length() + 1
+                model(token, attention_mask=mask[:, :length], past_key_values=cache, use_cache=True)
+
+            step()
+            launches, counter = collections.Counter(), CountOps()
+            with counting_triton_launches(launches), counter:
+                step()
+            times = timed_steps(step, args, device)
+        for hook in hooks:
+            hook.remove()
+        aten_ops = sum(counter.ops.values())
+        results[path] = {
+            "aten_ops": aten_ops,
+            "aten_ops_per_layer": round(aten_ops / layers, 2),
+            "triton_launches_per_layer": round(sum(launches.values()) / layers, 2),
+            "host_ms_median": round(statistics.median(times), 4),
+            "host_ms": [round(t, 4) for t in times],
+            "top_ops_per_layer": {op: round(n / layers, 2) for op, n in counter.ops.most_common(12)},
+        }
+        print(
+            f"{path:8s} aten ops {aten_ops:5d} ({aten_ops / layers:6.2f} a layer)  Triton launches "
+            f"{results[path]['triton_launches_per_layer']:.0f} a layer  host {results[path]['host_ms_median']:.3f} ms "
+            f"per step (median of {args.repeats} x {args.steps})"
+        )
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=None, help="rows: 2 for the training step, 8 for --decode")
     parser.add_argument("--seq-len", type=int, default=512, help="short: the GPU must not be the bound")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=7)
@@ -110,6 +181,11 @@ def main(argv=None) -> int:
         "--python-profile", type=int, default=0, metavar="K",
         help="also profile each path's host work with cProfile and print its K costliest functions by own time (the "
         "Triton launcher's binding and key building, torch's ops, this project's launch helpers)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode", action="store_true",
+        help="a cached decode step of the whole model (hybrid fused and through its modules, Mistral) instead of the "
+        "branch's training step; --batch is then the number of rows (8 unless given)",
     )  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
@@ -124,6 +200,14 @@ def main(argv=None) -> int:
     if args.stub_kernels:
         stub_triton_launches()
     mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS  # the kernels on CPU too (interpreter)
+    if args.decode:
+        args.batch = args.batch or 8
+        results = decode_host_work(args, device)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "device": device, "results": results}, f, indent=1)
+        return 0
+    args.batch = args.batch or 2
     heads = max(1, args.hidden // 64)
     config = HybridConfig(
         vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=1,
@@ -152,16 +236,7 @@ def main(argv=None) -> int:
             nodes = autograd_nodes(out)
             out.backward(grad)
         num_launches = sum(launches.values())
-        times = []
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            times.append((time.perf_counter() - start) / args.steps * 1e3)
-            if device == "cuda":
-                torch.cuda.synchronize()
+        times = timed_steps(step, args, device)
         results[path] = {
             "aten_ops": sum(counter.ops.values()),
             "autograd_nodes": nodes,

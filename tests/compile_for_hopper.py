@@ -37,7 +37,7 @@ def compile_instead_of_launching(kernel: JITFunction, *args, grid, warmup, **kwa
 
 def model_training_and_decode_steps():
     """The Transformers model on its kernels, bf16: a training step (conv and scan, forward and backward, packed rows
-    too) and cached one-token steps (conv update, state update)."""
+    too) and cached one-token steps (the fused branch step, `mamba_inner_step`)."""
     from configuration import HybridConfig
     from modeling import HybridForCausalLM
     from modeling.history import mamba1

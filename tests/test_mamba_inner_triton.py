@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from modeling.ops.mamba_inner import mamba_inner_ref
+from modeling.ops.mamba_inner import mamba_inner_ref, mamba_inner_step_ref
 
 pytest.importorskip("triton")
 
@@ -167,3 +167,134 @@ def test_rejects_bad_shapes_by_name(inner):
         inner.mamba_inner_fn(**{**tensors, "conv_weight": tensors["conv_weight"][:, 0]})
     with pytest.raises(ValueError, match="padding_mask must be"):
         inner.mamba_inner_fn(**tensors, padding_mask=torch.ones(1, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The decode step on the caches: `mamba_inner_step` (two launches) against `mamba_inner_step_ref`, and the step
+# reference against the sequence reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def weights_of(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if k != "xz"}
+
+
+def test_the_step_reference_steps_through_what_the_sequence_reference_computes():
+    """`mamba_inner_step_ref` token by token from zero caches gives `mamba_inner_ref` over the whole sequence, left
+    padding included (its padding positions' outputs are nobody's: the step writes zeros there). Float64 inputs;
+    the decode references take the step and the state in fp32, hence fp32's tolerance."""
+    batch, seq_len, channels, state, dt_rank = 3, 9, 12, 5, 3
+    tensors = random_branch(batch, seq_len, channels, state, dt_rank, seed=7)
+    padding_mask = torch.ones(batch, seq_len, dtype=torch.long)
+    padding_mask[1, :4] = 0
+    want = mamba_inner_ref(**tensors, padding_mask=padding_mask)
+
+    conv_state = torch.zeros(batch, channels, 3, dtype=torch.float64)
+    ssm_state = torch.zeros(batch, channels, state, dtype=torch.float64)
+    steps = [
+        mamba_inner_step_ref(tensors["xz"][:, t : t + 1], **weights_of(tensors), conv_state=conv_state,
+                             ssm_state=ssm_state, padding_mask=padding_mask[:, t : t + 1])
+        for t in range(seq_len)
+    ]  # fmt: skip
+    got = torch.cat(steps, dim=1)
+    real = padding_mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    assert got[~real].abs().max() == 0
+
+
+STEP_CASES = [  # dtype, ssm state dtype, conv bias, padding, channels per conv/x_proj program (None: the default)
+    (torch.float32, torch.float32, True, False, None),
+    (torch.float32, torch.float32, False, True, 16),
+    (torch.bfloat16, torch.float32, True, True, 16),
+    (torch.bfloat16, torch.bfloat16, True, False, None),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,state_dtype,conv_bias,padded,block_e",
+    STEP_CASES,
+    ids=[f"{str(c[0])[6:]}-state_{str(c[1])[6:]}{'-bias' if c[2] else ''}{'-padded' if c[3] else ''}-block{c[4]}"
+         for c in STEP_CASES],
+)  # fmt: skip
+def test_the_step_kernels_follow_the_step_reference(inner, monkeypatch, dtype, state_dtype, conv_bias, padded, block_e):
+    """Three decode steps on the kernels and on the float64 reference from the same random caches: the outputs,
+    the conv history and the state after each step. The caches are strided views (the rows of a wider buffer, the
+    state's last two dimensions swapped; the caches one row longer than the batch), xz a view of a wider output;
+    E = 72 in programs of 16 channels sums x_proj over five shares, the last one partial; R and N are not powers of
+    two."""
+    decode = importlib.import_module("modeling.ops.mamba_inner.decode")
+    if block_e is not None:
+        monkeypatch.setattr(decode, "pick_x_proj_block_e", lambda *args: block_e)
+    batch, channels, state, dt_rank, steps = 3, 72, 6, 5, 3
+    tensors = random_branch(batch, steps, channels, state, dt_rank, seed=11)
+    if not conv_bias:
+        tensors["conv_bias"] = None
+    g = torch.Generator().manual_seed(12)
+    conv_state = torch.randn(batch, channels, 3, generator=g, dtype=torch.float64)
+    ssm_state = torch.randn(batch, channels, state, generator=g, dtype=torch.float64)
+    padding_mask = torch.tensor([[1], [0], [1]]) if padded else None
+
+    rounded = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
+    weights = {k: v.to(DEVICE) if v is not None else None for k, v in weights_of(rounded).items()}
+    ref_weights = {k: v.double() if v is not None else None for k, v in weights_of(rounded).items()}
+    conv_buffer = torch.full((batch + 1, 2, channels, 3), float("nan"), dtype=dtype, device=DEVICE)
+    conv_cache = conv_buffer[:, 1]
+    conv_cache[:batch].copy_(conv_state)
+    state_buffer = torch.full((batch + 1, state, channels), float("nan"), dtype=state_dtype, device=DEVICE)
+    ssm_cache = state_buffer.transpose(1, 2)
+    ssm_cache[:batch].copy_(ssm_state)
+    ref_conv, ref_ssm = conv_cache[:batch].double().cpu(), ssm_cache[:batch].double().cpu()
+
+    tol = TOL[dtype]
+    state_tol = max(tol, TOL[state_dtype])  # bf16 activations (u, B, C, the step) reach the state too
+    for t in range(steps):
+        wide = torch.randn(batch, 1, 2 * channels + 8, generator=g).to(DEVICE, dtype)  # NaN-free around xz
+        xz = wide[..., 4 : 4 + 2 * channels]
+        xz.copy_(rounded["xz"][:, t : t + 1])
+        out = inner.mamba_inner_step(xz, **weights, conv_state=conv_cache, ssm_state=ssm_cache,
+                                     padding_mask=to_device(padding_mask))  # fmt: skip
+        want = mamba_inner_step_ref(xz.double().cpu(), **ref_weights, conv_state=ref_conv, ssm_state=ref_ssm,
+                                    padding_mask=padding_mask)  # fmt: skip
+        assert out.shape == (batch, 1, channels) and out.dtype == dtype
+        assert_close_scaled(out, want, tol, f"y at step {t}")
+        assert_close_scaled(conv_cache[:batch], ref_conv, tol, f"conv history after step {t}")
+        assert_close_scaled(ssm_cache[:batch], ref_ssm, state_tol, f"state after step {t}")
+        # Nothing outside the batch's rows of the caches' views is written.
+        assert conv_buffer[:, 0].isnan().all() and conv_buffer[batch].isnan().all()
+        assert state_buffer[batch].isnan().all()
+    if padded:  # the padding row's state is the one it started with, its output zeros
+        assert_close_scaled(ssm_cache[1], ssm_state[1], TOL[state_dtype], "the padding row's state")
+        assert out[1].abs().max() == 0
+
+
+def test_the_step_is_one_op_in_a_compiled_graph(inner):
+    """Under `torch.compile(fullgraph=True)` (as generate() compiles a static-cache decode step) the step enters the
+    graph as its custom op, no graph break, and updates both caches and writes y as in eager mode."""
+    tensors = {k: v.float().to(DEVICE) for k, v in random_branch(2, 1, 16, 4, 2, seed=13).items()}
+    g = torch.Generator().manual_seed(14)
+    caches = {"conv_state": torch.randn(2, 16, 3, generator=g), "ssm_state": torch.randn(2, 16, 4, generator=g)}
+    eager_caches = {k: v.clone().to(DEVICE) for k, v in caches.items()}
+    compiled_caches = {k: v.clone().to(DEVICE) for k, v in caches.items()}
+    eager = inner.mamba_inner_step(**tensors, **eager_caches)
+    step = torch.compile(inner.mamba_inner_step, fullgraph=True, backend="aot_eager")
+    compiled = step(**tensors, **compiled_caches)
+    torch.testing.assert_close(compiled, eager)
+    for name, cache in compiled_caches.items():
+        torch.testing.assert_close(cache, eager_caches[name])
+        assert not torch.equal(cache.cpu(), caches[name]), name  # the compiled call did update the cache
+
+
+def test_the_step_rejects_bad_arguments_by_name(inner):
+    tensors = {k: v.float() for k, v in random_branch(2, 1, 8, 4, 2).items()}
+    caches = {"conv_state": torch.zeros(2, 8, 3), "ssm_state": torch.zeros(2, 8, 4)}
+    xz = tensors.pop("xz")
+    with pytest.raises(ValueError, match="xz must be"):
+        inner.mamba_inner_step(xz[:, 0], **tensors, **caches)
+    with pytest.raises(ValueError, match="xz: the last dimension must be contiguous"):
+        inner.mamba_inner_step(xz.transpose(0, 2).contiguous().transpose(0, 2), **tensors, **caches)
+    with pytest.raises(ValueError, match="dt_proj_weight must be"):
+        inner.mamba_inner_step(xz, **{**tensors, "dt_proj_weight": tensors["dt_proj_weight"][:-1]}, **caches)
+    with pytest.raises(ValueError, match="ssm_state: expected"):
+        inner.mamba_inner_step(xz, **tensors, **{**caches, "ssm_state": torch.zeros(1, 8, 4)})
+    with pytest.raises(ValueError, match="padding_mask: expected"):
+        inner.mamba_inner_step(xz, **tensors, **caches, padding_mask=torch.ones(2))

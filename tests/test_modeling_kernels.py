@@ -137,6 +137,56 @@ def test_cached_generation_matches_the_reference_path(make_model, kernels_on_cpu
     torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decode_step_and_the_module_path_give_the_same_steps(make_model, monkeypatch, dtype):
+    """A cached one-token step runs the branch as one op (`mamba_inner_step`) when conv1d, x_proj and dt_proj are
+    plain modules, and through the modules one by one (conv update, x_proj, dt_proj, state update) when one of them
+    has a hook, as an adapter would: the same logits and caches over three steps of a left-padded batch, the last
+    step's token of row 1 a padding token (its state kept)."""
+    calls = []
+
+    def counted(name, op):
+        return lambda *args, **kwargs: calls.append(name) or op(*args, **kwargs)
+
+    kernels = mamba1.KERNEL_OPS
+    counting = kernels._replace(
+        mamba_inner_step=counted("mamba_inner_step", kernels.mamba_inner_step),
+        state_update=counted("state_update", kernels.state_update),
+    )
+    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: counting)  # the kernels, on CPU too
+    model = make_model().to(DEVICE, dtype).eval()
+    num_layers = model.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 97, (2, 9), generator=generator).to(DEVICE)
+    steps = torch.randint(3, 97, (2, 3), generator=generator).to(DEVICE)
+    mask = torch.ones(2, 12, dtype=torch.long, device=DEVICE)
+    mask[1, :4] = 0
+    mask[1, -1] = 0
+    results = {}
+    for path in ("fused", "modules"):
+        layers = model.model.layers if path == "modules" else []
+        hooks = [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *args: None) for layer in layers]
+        with torch.no_grad():
+            cache = model(ids, attention_mask=mask[:, :9], use_cache=True).past_key_values
+            logits = []
+            for t in range(3):
+                calls.clear()
+                step_mask = mask[:, : 10 + t]
+                out = model(steps[:, t : t + 1], attention_mask=step_mask, past_key_values=cache, use_cache=True)
+                assert calls == ["mamba_inner_step" if path == "fused" else "state_update"] * num_layers, calls
+                logits.append(out.logits)
+        layers = [(layer.conv_states[0].clone(), layer.recurrent_states[0].clone()) for layer in cache.layers]
+        results[path] = (torch.cat(logits, dim=1), layers)
+        for hook in hooks:
+            hook.remove()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    (fused_logits, fused_layers), (module_logits, module_layers) = results["fused"], results["modules"]
+    torch.testing.assert_close(fused_logits, module_logits, **tol)
+    for (conv, state), (ref_conv, ref_state) in zip(fused_layers, module_layers):
+        torch.testing.assert_close(conv, ref_conv, **tol)
+        torch.testing.assert_close(state, ref_state, **tol)
+
+
 def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_on_cpu):
     """A one-token step on a HybridStaticCache under `torch.compile(fullgraph=True)`, as `generate()` compiles it
     (masks built outside the graph by `create_masks_for_generate`): the SSM's decode kernels enter the graph as their

@@ -21,6 +21,7 @@ from ..ops import (
     causal_conv1d_update_ref,
     decay_rates,
     mamba_inner_ref,
+    mamba_inner_step_ref,
     selective_scan_ref,
     selective_state_update_ref,
 )
@@ -35,10 +36,12 @@ is_fast_path_available = importlib.util.find_spec("triton") is not None
 
 class Mamba1Ops(NamedTuple):
     """The SSM branch's ops, all Triton kernels or all PyTorch references (same signatures): the whole branch between
-    its projections with no cache (one autograd node on the kernels), the conv and the scan over sequences, and the
-    one-token decode step of each, in place on the cached history and state."""
+    its projections with no cache (one autograd node on the kernels) and its one-token decode step on the caches
+    (two launches), the conv and the scan over sequences, and the one-token decode step of each, in place on the
+    cached history and state."""
 
     mamba_inner: Callable
+    mamba_inner_step: Callable
     causal_conv1d: Callable
     selective_scan: Callable
     conv_update: Callable
@@ -46,17 +49,19 @@ class Mamba1Ops(NamedTuple):
 
 
 REFERENCE_OPS = Mamba1Ops(
-    mamba_inner_ref, causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref, selective_state_update_ref
-)
+    mamba_inner_ref, mamba_inner_step_ref, causal_conv1d_ref, selective_scan_ref, causal_conv1d_update_ref,
+    selective_state_update_ref,
+)  # fmt: skip
 KERNEL_OPS = None
 if is_fast_path_available:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
-    from ..ops.mamba_inner.interface import mamba_inner_fn
+    from ..ops.mamba_inner.interface import mamba_inner_fn, mamba_inner_step
     from ..ops.selective_scan.interface import selective_scan_fn, selective_state_update
 
     KERNEL_OPS = Mamba1Ops(
-        mamba_inner_fn, causal_conv1d_fn, selective_scan_fn, causal_conv1d_update, selective_state_update
-    )
+        mamba_inner_fn, mamba_inner_step, causal_conv1d_fn, selective_scan_fn, causal_conv1d_update,
+        selective_state_update,
+    )  # fmt: skip
 
 
 class Mamba1Branch(HistoryBranch):
@@ -114,13 +119,13 @@ class Mamba1Branch(HistoryBranch):
                 self.A_log, self.D, padding_mask, seq_idx,
             )  # fmt: skip
             return self.out_proj(y)
+        layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
+        if layer_cache is not None and xz.shape[1] == 1 and seq_idx is None and not layer_cache.record_past:
+            return self.out_proj(self._decode_step(xz, layer_cache, padding_mask, ops))
+
         xs, z = xz.chunk(2, dim=-1)  # [B, T, E] each
         if padding_mask is not None:
             xs = xs * padding_mask[..., None].to(xs.dtype)
-
-        layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
-        if layer_cache is not None and xs.shape[1] == 1 and seq_idx is None and not layer_cache.record_past:
-            return self.out_proj(self._decode_step(xs[:, 0], z[:, 0], layer_cache, padding_mask, ops)[:, None])
 
         # 2. Causal depthwise conv (silu fused), continuing from the cached last K-1 inputs.
         conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E, K-1]
@@ -149,21 +154,32 @@ class Mamba1Branch(HistoryBranch):
 
         return self.out_proj(y)
 
-    def _decode_step(self, xs, z, layer_cache, padding_mask, ops: Mamba1Ops) -> torch.Tensor:
-        """Steps 2-4 for one new token per row, xs and z [B, E]: the decode ops update the cached conv history and
+    def _decode_step(self, xz, layer_cache, padding_mask, ops: Mamba1Ops) -> torch.Tensor:
+        """Steps 2-4 for one new token per row, xz [B, 1, 2E]: the decode ops update the cached conv history and
         state in place (the scan's recurrence at T = 1 without its chunk machinery; no host sync). A padding token
-        (padding_mask 0) does what it does in the scan: its zeroed xs enters the history, the state stays as it was
-        (the update's padding slot, -1; its output, zeros, is nobody's). Returns y [B, E]."""
-        rows = torch.arange(xs.shape[0], device=xs.device, dtype=torch.int32)  # row i owns cache row i
-        u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, layer_cache.conv_states[0], rows, "silu")
+        (padding_mask [B, 1] 0) does what it does in the scan: its zeroed xs enters the history, the state stays as
+        it was (the update's padding slot, -1; its output, zeros, is nobody's). Returns y [B, 1, E].
+
+        With plain modules the whole step is one op (`mamba_inner_step`: two launches on the kernels, where the
+        modules take two kernels, two GEMMs and about fifteen aten ops: a generate() step with the dynamic cache is
+        bound by that host work, one with the static cache by its kernel count)."""
+        conv_state, ssm_state = layer_cache.conv_states[0], layer_cache.recurrent_states[0]
+        if self._inner_modules_are_plain():
+            return ops.mamba_inner_step(
+                xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
+                self.A_log, self.D, conv_state, ssm_state, padding_mask,
+            )  # fmt: skip
+        xs, z = xz[:, 0].chunk(2, dim=-1)  # [B, E] each
+        rows = stepped = torch.arange(xz.shape[0], device=xz.device, dtype=torch.int32)  # row i owns cache row i
+        if padding_mask is not None:
+            xs = xs * padding_mask.to(xs.dtype)
+            stepped = torch.where(padding_mask[:, 0].bool(), rows, -1)
+        u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
         dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = F.linear(dt_low, self.dt_proj.weight)  # raw: the update adds dt_proj's bias, then softplus, in fp32
-        A = decay_rates(self.A_log)
-        if padding_mask is not None:
-            rows = torch.where(padding_mask[:, -1].bool(), rows, -1)
         y = torch.empty_like(u)
-        ops.state_update(layer_cache.recurrent_states[0], u, dt, A, B, C, self.D, z, self.dt_proj.bias, rows, y)
-        return y
+        ops.state_update(ssm_state, u, dt, decay_rates(self.A_log), B, C, self.D, z, self.dt_proj.bias, stepped, y)
+        return y[:, None]
 
     def _inner_modules_are_plain(self) -> bool:
         """Whether `mamba_inner` may read conv1d's, x_proj's and dt_proj's weights directly instead of calling them:

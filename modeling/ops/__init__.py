@@ -3,7 +3,8 @@ the ground truth for its Triton kernels in the package beside it:
 
     causal_conv1d/      training conv (fwd/bwd), varlen prefill conv and decode update over a conv state cache
     selective_scan/     training scan (fwd/bwd), varlen prefill scan and decode state update over an ssm state cache
-    mamba_inner/        the branch between its projections (conv, x_proj, dt_proj, scan) as one training op
+    mamba_inner/        the branch between its projections (conv, x_proj, dt_proj, scan) as one training op, and its
+                        decode step on the caches as one op
     ssd/                Mamba-2's chunked scan (SSD), its decode update and its gated RMSNorm (references)
     branch_norm.py      the per-head normalisation of both branches before their sum (`ssm_branch_norm`)
     decay.py            the state decay rates A = -exp(A_log) in fp32, for every path that reads A_log
@@ -20,7 +21,7 @@ Triton.
 from .branch_norm import rms_normalize_heads
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from .decay import decay_rates
-from .mamba_inner import mamba_inner_ref
+from .mamba_inner import mamba_inner_ref, mamba_inner_step_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
 from .ssd import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_scan_ref, ssd_state_update_ref, ssd_varlen_scan_ref
 
@@ -31,6 +32,7 @@ __all__ = [
     "decay_rates",
     "gated_rms_norm_ref",
     "mamba_inner_ref",
+    "mamba_inner_step_ref",
     "rms_normalize_heads",
     "selective_scan_ref",
     "selective_scan_varlen_ref",

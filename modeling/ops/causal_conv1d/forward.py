@@ -273,29 +273,17 @@ def launch_varlen_conv_state(
 
 
 @triton.jit
-def _causal_conv1d_update_kernel(
-    p_x, p_w, p_bias, p_state, p_state_indices, p_has_initial_state, p_out,
-    E, s_x_r, s_x_e, s_w_e, s_w_k, s_st_slot, s_st_e, s_st_k, s_o_r, s_o_e,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
-    SILU: tl.constexpr, BLOCK_E: tl.constexpr,
+def conv_update_channels(
+    b_x, p_slot, s_st_k, is_real, reads_history, o_e, m_e, p_w, s_w_e, s_w_k, p_bias,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):  # fmt: skip
-    """One decode step of request i_r for channels i_e*BLOCK_E.. (`causal_conv1d_update_ref`): window = (slot's
-    history [K-1], x), out = act(window . weight + bias), slot <- window[1:]. Padding rows (slot -1) write zeros; a
-    row whose has_initial_state flag is False reads a zero history (its request's first token)."""
-    i_e, i_r = tl.program_id(0), tl.program_id(1)
+    """One decode step of one request over a block of channels o_e (the body of `_causal_conv1d_update_kernel` and
+    of the fused branch step, modeling/ops/mamba_inner/decode.py): window = (history [K-1], x), returns
+    act(window . weight + bias) in fp32 (zeros unless `is_real`), and shifts x into the history at p_slot ([1,
+    BLOCK_E] pointers to tap 0 of the request's slot) when `is_real`. With `reads_history` False the history reads
+    as zeros (a request's first token)."""
     o_k = tl.arange(0, BLOCK_K)
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    m_e = o_e < E
-    slot = tl.load(p_state_indices + i_r)
-    m_slot = slot >= 0
-    m_history = m_slot
-    if HAS_INITIAL_FLAGS:
-        m_history = m_history & (tl.load(p_has_initial_state + i_r) != 0)
-
-    b_x = tl.load(p_x + i_r.to(tl.int64) * s_x_r + o_e * s_x_e, mask=m_e, other=0.0).to(tl.float32)
-    p_slot = p_state + slot.to(tl.int64) * s_st_slot + o_e[None, :] * s_st_e
-    m_slot_e = m_slot & m_e[None, :]
-    m_read = m_history & m_e[None, :]
+    m_read = reads_history & m_e[None, :]
     # window tap k: history entry k for k < K-1, the new token at k = K-1
     b_window = tl.load(p_slot + o_k[:, None] * s_st_k, mask=(o_k < K - 1)[:, None] & m_read, other=0.0)
     b_window = tl.where((o_k == K - 1)[:, None], b_x[None, :], b_window.to(tl.float32))
@@ -310,13 +298,39 @@ def _causal_conv1d_update_kernel(
         b_y += tl.load(p_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
-    b_y = tl.where(m_slot, b_y, 0.0)
-    tl.store(p_out + i_r.to(tl.int64) * s_o_r + o_e * s_o_e, b_y.to(p_out.dtype.element_ty), mask=m_e)
 
     # another thread of this program may still be reading the entry this thread overwrites
     tl.debug_barrier()
-    m_write = (o_k < K - 1)[:, None] & m_slot_e
-    tl.store(p_slot + o_k[:, None] * s_st_k, b_shifted.to(p_state.dtype.element_ty), mask=m_write)
+    m_write = (o_k < K - 1)[:, None] & is_real & m_e[None, :]
+    tl.store(p_slot + o_k[:, None] * s_st_k, b_shifted.to(p_slot.dtype.element_ty), mask=m_write)
+    return tl.where(is_real, b_y, 0.0)
+
+
+@triton.jit
+def _causal_conv1d_update_kernel(
+    p_x, p_w, p_bias, p_state, p_state_indices, p_has_initial_state, p_out,
+    E, s_x_r, s_x_e, s_w_e, s_w_k, s_st_slot, s_st_e, s_st_k, s_o_r, s_o_e,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
+    SILU: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """One decode step of request i_r for channels i_e*BLOCK_E.. (`causal_conv1d_update_ref`): window = (slot's
+    history [K-1], x), out = act(window . weight + bias), slot <- window[1:]. Padding rows (slot -1) write zeros; a
+    row whose has_initial_state flag is False reads a zero history (its request's first token)."""
+    i_e, i_r = tl.program_id(0), tl.program_id(1)
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    slot = tl.load(p_state_indices + i_r)
+    is_real = slot >= 0
+    reads_history = is_real
+    if HAS_INITIAL_FLAGS:
+        reads_history = reads_history & (tl.load(p_has_initial_state + i_r) != 0)
+
+    b_x = tl.load(p_x + i_r.to(tl.int64) * s_x_r + o_e * s_x_e, mask=m_e, other=0.0).to(tl.float32)
+    p_slot = p_state + slot.to(tl.int64) * s_st_slot + o_e[None, :] * s_st_e
+    b_y = conv_update_channels(
+        b_x, p_slot, s_st_k, is_real, reads_history, o_e, m_e, p_w, s_w_e, s_w_k, p_bias, K, BLOCK_K, HAS_BIAS, SILU
+    )
+    tl.store(p_out + i_r.to(tl.int64) * s_o_r + o_e * s_o_e, b_y.to(p_out.dtype.element_ty), mask=m_e)
 
 
 def launch_causal_conv1d_update(

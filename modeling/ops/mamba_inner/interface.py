@@ -25,7 +25,8 @@ from ..selective_scan.interface import (
     selective_scan_bwd,
     selective_scan_fwd,
 )
-from ..triton_utils import check_index
+from ..triton_utils import check_index, check_tokens
+from .decode import launch_mamba_inner_step
 
 
 class MambaInnerFunction(torch.autograd.Function):
@@ -127,16 +128,7 @@ def mamba_inner_fn(
     if xz.dim() != 3 or xz.shape[-1] % 2:
         raise ValueError(f"xz must be [B, T, 2E] (in_proj's output), got {tuple(xz.shape)}")
     batch_size, seq_len, num_channels = xz.shape[0], xz.shape[1], xz.shape[2] // 2
-    if A_log.dim() != 2 or A_log.shape[0] != num_channels:
-        raise ValueError(f"A_log must be [E={num_channels}, N], got {tuple(A_log.shape)}")
-    if conv_weight.dim() != 3 or conv_weight.shape[:2] != (num_channels, 1):
-        raise ValueError(f"conv_weight must be [E={num_channels}, 1, K] (nn.Conv1d's), got {tuple(conv_weight.shape)}")
-    dt_rank, state_size = dt_proj_weight.shape[-1], A_log.shape[1]
-    if tuple(x_proj_weight.shape) != (dt_rank + 2 * state_size, num_channels):
-        raise ValueError(
-            f"x_proj_weight must be [R + 2N, E] = {(dt_rank + 2 * state_size, num_channels)}, "
-            f"got {tuple(x_proj_weight.shape)}"
-        )
+    _check_weights(num_channels, conv_weight, x_proj_weight, dt_proj_weight, A_log)
     if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, seq_len):
         raise ValueError(f"padding_mask must be [B, T] = {(batch_size, seq_len)}, got {tuple(padding_mask.shape)}")
     if seq_idx is not None:
@@ -148,3 +140,98 @@ def mamba_inner_fn(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     blocks = pick_scan_blocks(batch_size, seq_len, num_channels, A_log.shape[1], save_seg_states=needs_grad)
     return MambaInnerFunction.apply(*tensors, padding_mask, seq_idx, blocks)
+
+
+def _check_weights(num_channels: int, conv_weight, x_proj_weight, dt_proj_weight, A_log) -> None:
+    """The shapes that tie the branch's weights to E channels (the ops check the rest: biases, D, dtypes)."""
+    if A_log.dim() != 2 or A_log.shape[0] != num_channels:
+        raise ValueError(f"A_log must be [E={num_channels}, N], got {tuple(A_log.shape)}")
+    if conv_weight.dim() != 3 or conv_weight.shape[:2] != (num_channels, 1):
+        raise ValueError(f"conv_weight must be [E={num_channels}, 1, K] (nn.Conv1d's), got {tuple(conv_weight.shape)}")
+    dt_rank, state_size = dt_proj_weight.shape[-1], A_log.shape[1]
+    if tuple(dt_proj_weight.shape) != (num_channels, dt_rank):
+        raise ValueError(f"dt_proj_weight must be [E={num_channels}, R], got {tuple(dt_proj_weight.shape)}")
+    if tuple(x_proj_weight.shape) != (dt_rank + 2 * state_size, num_channels):
+        raise ValueError(
+            f"x_proj_weight must be [R + 2N, E] = {(dt_rank + 2 * state_size, num_channels)}, "
+            f"got {tuple(x_proj_weight.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode: one token per cache row, the conv and state caches updated in place (kernels in decode.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def mamba_inner_step(
+    xz: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    dt_proj_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the branch between its projections in two launches: the contract of
+    `mamba_inner_step_ref` (same arguments, same result up to fp32 summation order). xz [B, 1, 2E] (in_proj's
+    output, read in place: its last dimension contiguous); conv_state [>= B, E, K-1] and ssm_state [>= B, E, N] any
+    strides (row i is row i's, updated in place); padding_mask [B, 1] (1 real, 0 padding; any dtype and stride) or
+    None. No host sync, the grids from shapes: CUDA-graph safe. Under torch.compile it is one opaque op
+    (`torch.ops.hybrid_ssm.mamba_inner_step`), so a compiled decode step keeps it in its graph. Inference only (no
+    autograd). Returns y [B, 1, E] in xz's dtype."""
+    out = xz.new_empty(*xz.shape[:-1], xz.shape[-1] // 2)  # checked with xz in the op
+    step = torch.ops.hybrid_ssm.mamba_inner_step if torch.compiler.is_compiling() else _mamba_inner_step
+    step(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state, ssm_state,
+         padding_mask, out)  # fmt: skip
+    return out
+
+
+def _mamba_inner_step(
+    xz: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    dt_proj_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    if xz.dim() != 3 or xz.shape[1] != 1 or xz.shape[2] % 2:
+        raise ValueError(f"xz must be [B, 1, 2E] (in_proj's output for one token), got {tuple(xz.shape)}")
+    num_rows, num_channels = xz.shape[0], xz.shape[2] // 2
+    _check_weights(num_channels, conv_weight, x_proj_weight, dt_proj_weight, A_log)
+    check_tokens("xz", xz, tuple(xz.shape))
+    for name, x in (("dt_proj_bias", dt_proj_bias), ("D", D), ("conv_bias", conv_bias)):
+        if x is not None and (x.shape != (num_channels,) or not x.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous ({num_channels},), got {tuple(x.shape)}")
+    state_size, width = A_log.shape[1], conv_weight.shape[2]
+    for name, cache, shape in (
+        ("conv_state", conv_state, (num_channels, width - 1)),
+        ("ssm_state", ssm_state, (num_channels, state_size)),
+    ):
+        if cache.dim() != 3 or cache.shape[0] < num_rows or tuple(cache.shape[1:]) != shape:
+            raise ValueError(f"{name}: expected [>= {num_rows}, *{shape}] (row i the batch's row i), got "
+                             f"{tuple(cache.shape)}")  # fmt: skip
+    if padding_mask is not None and tuple(padding_mask.shape) != (num_rows, 1):
+        raise ValueError(f"padding_mask: expected ({num_rows}, 1), got {tuple(padding_mask.shape)}")
+    if num_rows == 0:  # an empty grid is not a valid launch
+        return
+    launch_mamba_inner_step(
+        xz[:, 0], conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state,
+        ssm_state, padding_mask[:, 0] if padding_mask is not None else None, out[:, 0],
+    )  # fmt: skip
+
+
+# Eager calls launch directly; a compiled graph calls the op, which dispatches to the same launch (its fake writes
+# nothing: the op only mutates its arguments).
+torch.library.custom_op(
+    "hybrid_ssm::mamba_inner_step", _mamba_inner_step, mutates_args=("conv_state", "ssm_state", "out")
+).register_fake(lambda *args: None)

@@ -5,6 +5,8 @@ in reference.py, with the exact semantics). Inference only: no autograd.
     StateUpdateArgs                 the step's tensors, strides and sizes as ONE kernel argument: Triton passes a
                                     named tuple as one argument whose fields the kernel reads by name, compiled
                                     exactly as separate arguments
+    ssm_step                        the recurrence at one token on loaded blocks (@triton.jit), shared with the
+                                    fused branch step (modeling/ops/mamba_inner/decode.py)
     ssm_state_update                the step of one request over one block of channels (@triton.jit), the body of
                                     `_selective_state_update_kernel` and of the SSM programs of vLLM's fused decode
                                     (vllm_integration/ops/hybrid_decode), which reaches it as one argument
@@ -57,6 +59,15 @@ class StateUpdateArgs(NamedTuple):
 
 
 @triton.jit
+def ssm_step(b_state, b_u, b_step, b_A, b_B, b_C, b_D, b_z):
+    """The recurrence at one token for a block of channels, all fp32: state [BLOCK_E, BLOCK_N] <- exp(step A) state +
+    step u B, y = (state . C + D u) silu(z). Returns (state, y [BLOCK_E])."""
+    b_state = tl.exp(b_step[:, None] * b_A) * b_state + (b_step * b_u)[:, None] * b_B[None, :]
+    b_y = tl.sum(b_state * b_C[None, :], axis=1) + b_D * b_u
+    return b_state, b_y * b_z * tl.sigmoid(b_z)
+
+
+@triton.jit
 def ssm_state_update(
     ssm, i_req, i_eblk, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr
 ):
@@ -86,10 +97,7 @@ def ssm_state_update(
     b_D = tl.load(ssm.D + o_e, mask=m_e, other=0.0).to(tl.float32)
     b_dt_bias = tl.load(ssm.dt_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
 
-    b_dt = softplus(b_dt + b_dt_bias)
-    b_state = tl.exp(b_dt[:, None] * b_A) * b_state + (b_dt * b_u)[:, None] * b_B[None, :]
-    b_y = tl.sum(b_state * b_C[None, :], axis=1) + b_D * b_u
-    b_y = b_y * b_z * tl.sigmoid(b_z)
+    b_state, b_y = ssm_step(b_state, b_u, softplus(b_dt + b_dt_bias), b_A, b_B, b_C, b_D, b_z)
 
     tl.store(p_slot, b_state.to(ssm.ssm_state.dtype.element_ty), mask=m_en & is_real)
     tl.store(ssm.out + i_req * ssm.s_out + o_e, tl.where(is_real, b_y, 0.0).to(ssm.out.dtype.element_ty), mask=m_e)

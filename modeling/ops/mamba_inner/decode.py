@@ -1,0 +1,153 @@
+"""Decode step of the SSM branch between its projections (public function `mamba_inner_step` in interface.py;
+reference `mamba_inner_step_ref` in reference.py, with the exact semantics): one token per cache row, the conv and
+the state updated in place, in two launches where the module path takes the conv update kernel, the x_proj and
+dt_proj GEMMs, the decay rates, the state update kernel and about twenty aten ops between them. Inference only.
+
+    _conv_x_proj_kernel     grid (cdiv(E, BLOCK_E), rows): the conv update of a block of channels
+                            (`conv_update_channels`), u stored in the output, and the block's share of x_proj, fp32
+                            [block, row, R+2N]
+    _dt_state_kernel        grid (rows, cdiv(E, BLOCK_E)): the shares summed into x_proj's output (dt_low, B, C),
+                            dt_proj for the program's channels, the state step (`ssm_step`) and the gate, the output
+                            written over u (each program reads the u it overwrites)
+    launch_mamba_inner_step checks nothing (interface.py does), picks the blocks, launches both
+
+Why two launches and not one: x_proj sums over every channel, and each channel's conv history is overwritten by the
+program that owns it, so no program may read another's channels once the step has begun; the shares of the first
+launch are what the second reads. The shares are summed in a fixed order (no atomics): a step gives the same bits
+every time. u, x_proj's output and dt are rounded to the activation dtype where the module path's GEMMs round them;
+every product and sum is fp32.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..causal_conv1d.forward import conv_update_channels
+from ..selective_scan.decode import pick_state_update_block_e, ssm_step
+from ..triton_utils import softplus
+
+
+@triton.jit
+def _conv_x_proj_kernel(
+    p_xz, p_conv_w, p_conv_b, p_conv_state, p_mask, p_u, p_x_proj_w, p_parts,
+    E, J, num_rows, s_mask, s_xz_r, s_cw_e, s_cw_k, s_cs_r, s_cs_e, s_cs_k, s_xw_j, s_xw_e,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+):  # fmt: skip
+    """Row i_r, channels i_e*BLOCK_E..: u = silu(conv(history, xs)) stored [rows, E] (xs: xz[:, :E]), the history
+    shifted, and
+    parts[i_e, i_r, :] = x_proj_w[:, block] @ u[block] (J = R + 2N). A padding row (mask 0) enters the history as
+    zeros, as in the scan."""
+    i_e, i_r = tl.program_id(0), tl.program_id(1)
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < E
+    b_x = tl.load(p_xz + i_r.to(tl.int64) * s_xz_r + o_e, mask=m_e, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        b_x = tl.where(tl.load(p_mask + i_r * s_mask) != 0, b_x, 0.0)
+    p_slot = p_conv_state + i_r.to(tl.int64) * s_cs_r + o_e[None, :] * s_cs_e
+    b_u = conv_update_channels(
+        b_x, p_slot, s_cs_k, True, True, o_e, m_e, p_conv_w, s_cw_e, s_cw_k, p_conv_b, K, BLOCK_K, HAS_BIAS, True
+    )
+    b_u = b_u.to(p_u.dtype.element_ty)
+    tl.store(p_u + i_r.to(tl.int64) * E + o_e, b_u, mask=m_e)
+
+    o_j = tl.arange(0, BLOCK_J)
+    m_j = o_j < J
+    b_w = tl.load(
+        p_x_proj_w + o_j[:, None] * s_xw_j + o_e[None, :] * s_xw_e, mask=m_j[:, None] & m_e[None, :], other=0.0
+    ).to(tl.float32)
+    b_part = tl.sum(b_w * b_u.to(tl.float32)[None, :], axis=1)
+    tl.store(p_parts + (i_e * num_rows + i_r).to(tl.int64) * J + o_j, b_part, mask=m_j)
+
+
+@triton.jit
+def _x_proj_slice(p_row_parts, m_parts, offset, size, BLOCK: tl.constexpr, dtype: tl.constexpr):
+    """Columns [offset, offset + size) of x_proj's output for one row: its shares summed, rounded to `dtype` as the
+    GEMM's output would be, returned in fp32 [BLOCK]."""
+    o = tl.arange(0, BLOCK)
+    m = o < size
+    b = tl.load(p_row_parts + offset + o[None, :], mask=m_parts[:, None] & m[None, :], other=0.0)
+    return tl.sum(b, axis=0).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _dt_state_kernel(
+    p_u, p_xz, p_parts, p_dt_w, p_dt_b, p_A_log, p_D, p_ssm_state, p_mask, p_out,
+    E, R, N, num_parts, num_rows, s_mask, s_xz_r, s_dw_e, s_dw_r, s_al_e, s_al_n, s_ss_r, s_ss_e, s_ss_n,
+    HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    """Row i_r, channels i_e*BLOCK_E..: (dt_low, B, C) = the sum of the row's x_proj shares, dt = dt_proj_w @ dt_low,
+    step = softplus(dt + dt_bias), the state step with A = -exp(A_log), out = (state . C + D u) silu(z) (z:
+    xz[:, E:]). A padding row keeps its state and writes zeros. p_out may be p_u: each program reads its u first."""
+    i_r, i_e = tl.program_id(0), tl.program_id(1)
+    dtype = p_u.dtype.element_ty
+    o_p = tl.arange(0, BLOCK_P)
+    p_row_parts = p_parts + ((o_p * num_rows + i_r).to(tl.int64) * (R + 2 * N))[:, None]  # [BLOCK_P, 1]
+    m_parts = o_p < num_parts
+    b_dt_low = _x_proj_slice(p_row_parts, m_parts, 0, R, BLOCK_R, dtype)
+    b_B = _x_proj_slice(p_row_parts, m_parts, R, N, BLOCK_N, dtype)
+    b_C = _x_proj_slice(p_row_parts, m_parts, R + N, N, BLOCK_N, dtype)
+
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    o_r = tl.arange(0, BLOCK_R)
+    o_n = tl.arange(0, BLOCK_N)
+    m_e, m_r, m_n = o_e < E, o_r < R, o_n < N
+    m_en = m_e[:, None] & m_n[None, :]
+    b_dt_w = tl.load(
+        p_dt_w + o_e[:, None] * s_dw_e + o_r[None, :] * s_dw_r, mask=m_e[:, None] & m_r[None, :], other=0.0
+    ).to(tl.float32)
+    b_dt = tl.sum(b_dt_w * b_dt_low[None, :], axis=1).to(dtype).to(tl.float32)
+    b_step = softplus(b_dt + tl.load(p_dt_b + o_e, mask=m_e, other=0.0).to(tl.float32))
+    b_A_log = tl.load(p_A_log + o_e[:, None] * s_al_e + o_n[None, :] * s_al_n, mask=m_en, other=0.0)
+    b_A = -tl.exp(b_A_log.to(tl.float32))
+    b_u = tl.load(p_u + i_r.to(tl.int64) * E + o_e, mask=m_e, other=0.0).to(tl.float32)
+    b_z = tl.load(p_xz + i_r.to(tl.int64) * s_xz_r + E + o_e, mask=m_e, other=0.0).to(tl.float32)
+    b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
+
+    p_state = p_ssm_state + i_r.to(tl.int64) * s_ss_r + o_e[:, None] * s_ss_e + o_n[None, :] * s_ss_n
+    b_state = tl.load(p_state, mask=m_en, other=0.0).to(tl.float32)
+    b_state, b_y = ssm_step(b_state, b_u, b_step, b_A, b_B, b_C, b_D, b_z)
+    is_real = True
+    if HAS_MASK:
+        is_real = tl.load(p_mask + i_r * s_mask) != 0
+    tl.store(p_state, b_state.to(p_ssm_state.dtype.element_ty), mask=m_en & is_real)
+    tl.store(p_out + i_r.to(tl.int64) * E + o_e, tl.where(is_real, b_y, 0.0).to(p_out.dtype.element_ty), mask=m_e)
+
+
+@functools.cache
+def pick_x_proj_block_e(num_channels: int, x_proj_rows: int) -> int:
+    """Channels per conv/x_proj program: a [R + 2N, BLOCK_E] fp32 tile of x_proj's weight of about 4096 values."""
+    return min(triton.next_power_of_2(num_channels), max(16, 4096 // triton.next_power_of_2(x_proj_rows)))
+
+
+def launch_mamba_inner_step(
+    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state, ssm_state,
+    padding_mask, out,
+) -> None:  # fmt: skip
+    """Both kernels over checked arguments (interface.py's `mamba_inner_step`): xz [rows, 2E] (last dim contiguous),
+    padding_mask [rows] or None, out [rows, E] contiguous (u, then the output)."""
+    num_rows, num_channels = out.shape
+    dt_rank, state_size = dt_proj_weight.shape[1], A_log.shape[1]
+    x_proj_rows = dt_rank + 2 * state_size
+    block_e1 = pick_x_proj_block_e(num_channels, x_proj_rows)
+    num_parts = triton.cdiv(num_channels, block_e1)
+    parts = torch.empty(num_parts, num_rows, x_proj_rows, device=xz.device, dtype=torch.float32)
+    mask = padding_mask if padding_mask is not None else out  # not read without HAS_MASK
+    _conv_x_proj_kernel[(num_parts, num_rows)](
+        xz, conv_weight, conv_bias, conv_state, mask, out, x_proj_weight, parts,
+        num_channels, x_proj_rows, num_rows, mask.stride(0), xz.stride(0), conv_weight.stride(0), conv_weight.stride(2),
+        *conv_state.stride(), *x_proj_weight.stride(),
+        K=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
+        HAS_MASK=padding_mask is not None, BLOCK_E=block_e1, BLOCK_J=triton.next_power_of_2(x_proj_rows),
+    )  # fmt: skip
+    block_e2 = pick_state_update_block_e(num_channels, state_size)
+    _dt_state_kernel[(num_rows, triton.cdiv(num_channels, block_e2))](
+        out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, mask, out,
+        num_channels, dt_rank, state_size, num_parts, num_rows, mask.stride(0), xz.stride(0), *dt_proj_weight.stride(),
+        *A_log.stride(), *ssm_state.stride(),
+        HAS_MASK=padding_mask is not None, BLOCK_E=block_e2, BLOCK_R=triton.next_power_of_2(dt_rank),
+        BLOCK_N=triton.next_power_of_2(state_size), BLOCK_P=triton.next_power_of_2(num_parts),
+    )  # fmt: skip
