@@ -12,7 +12,7 @@ what is timed is the branch's own Python and aten work (the interpreter's is not
 
     python scripts/bench_host_work.py                      # GPU: the issue-36 probe's layer width (hidden 1024, E 2048)
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200
-    TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64
+    TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64 [--static-graph]
 """
 
 import argparse
@@ -150,6 +150,9 @@ def decode_host_work(args, device: str) -> dict:
             with counting_triton_launches(launches), counter:
                 step()
             times = timed_steps(step, args, device)
+        if args.static_graph:
+            results[path + "_static_graph"] = static_graph_launches(model, prompt.to(device), device)
+            print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
         for hook in hooks:
             hook.remove()
         aten_ops = sum(counter.ops.values())
@@ -169,6 +172,48 @@ def decode_host_work(args, device: str) -> dict:
     return results
 
 
+def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
+    """What Inductor makes of one static-cache decode step (generate()'s compiled step, fullgraph), per layer: the
+    kernels it generates (fused elementwise and reductions), and the calls it leaves to others, each a launch of its
+    own: GEMMs (linear), attention (sdpa) and this project's custom ops (two Triton launches for `mamba_inner_step`,
+    one for each other). On a CPU machine Inductor's C++ backend splits a step into more kernels than its Triton
+    backend does (its totals are not a GPU's): read the differences between the models, not the totals."""
+    from torch._inductor import metrics
+    from torch._inductor.compile_fx import compile_fx
+    from transformers import StaticCache
+
+    from modeling import HybridForCausalLM, HybridStaticCache
+
+    length = prompt.shape[1]
+    static = HybridStaticCache if isinstance(model, HybridForCausalLM) else StaticCache
+    cache = static(config=model.config, max_cache_len=length + 8)
+    mask = torch.ones(prompt.shape[0], length + 1, dtype=torch.long, device=device)
+    positions = torch.full((prompt.shape[0], 1), length, device=device)
+    calls = collections.Counter()
+
+    def counting_inductor(graph_module, example_inputs):
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function":
+                calls[getattr(node.target, "__name__", str(node.target))] += 1
+        return compile_fx(graph_module, example_inputs)
+
+    with torch.inference_mode():
+        model(prompt, attention_mask=mask[:, :length], past_key_values=cache, use_cache=True)
+        torch._dynamo.reset()
+        metrics.reset()
+        step = torch.compile(model.forward, fullgraph=True, backend=counting_inductor)
+        step(prompt[:, -1:], attention_mask=mask, past_key_values=cache, position_ids=positions, use_cache=True)
+    layers = model.config.num_hidden_layers
+    custom = {name: n for name, n in calls.items() if name in ("mamba_inner_step", "causal_conv1d_update",
+                                                               "selective_state_update")}  # fmt: skip
+    return {
+        "generated_kernels_per_layer": round(metrics.generated_kernel_count / layers, 2),
+        "gemms_per_layer": round(calls["linear"] / layers, 2),
+        "attention_per_layer": round(calls["scaled_dot_product_attention"] / layers, 2),
+        "custom_ops_per_layer": {name: round(n / layers, 2) for name, n in custom.items()},
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -186,6 +231,10 @@ def main(argv=None) -> int:
         "--decode", action="store_true",
         help="a cached decode step of the whole model (hybrid fused and through its modules, Mistral) instead of the "
         "branch's training step; --batch is then the number of rows (8 unless given)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--static-graph", action="store_true",
+        help="with --decode: also count the launches of each model's static-cache step compiled by Inductor",
     )  # fmt: skip
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
