@@ -340,6 +340,8 @@ def vllm_ops():
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
         from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_scan_fn, selective_state_update
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except Exception as error:  # noqa: BLE001 - any import failure means: no vLLM anchors in this run
         print(f"vLLM anchors skipped: {type(error).__name__}: {error}")
@@ -349,6 +351,8 @@ def vllm_ops():
         "selective_scan_fn": selective_scan_fn,
         "selective_state_update": selective_state_update,
         "unified_attention": unified_attention,
+        "mamba_chunk_scan_combined_varlen": mamba_chunk_scan_combined_varlen,
+        "compute_varlen_chunk_metadata": compute_varlen_chunk_metadata,
     }
 
 
@@ -454,10 +458,60 @@ def bench_prefill(args) -> list[Row]:
 
         rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", b.shape + " (E-major)",
                         median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
+        rows.append(mamba2_prefill_row(b, vllm))
     base = rows[0].ms
     for row in rows[1:]:
         row.note = f"ours is {row.ms / base:.1f}x faster"
+        if row.variant.startswith("Mamba-2"):
+            row.note = f"{row.ms / base:.2f}x the time of our Mamba-1 prefill (first row)"
     return rows
+
+
+def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chunk=256) -> Row:
+    """The same packed prefills through a Mamba-2 branch of the same width as `hybrid-mamba2` serves it (E / 64 heads
+    of 64 channels, one group, N 128, chunks of 256): vLLM's conv over the E + 2N conv channels, then vLLM's chunked
+    scan (`mamba_chunk_scan_combined_varlen`) from the slots' states (zeros for fresh prefills) into them, as
+    vllm_integration/history/mamba2_kernels.py calls them. The scan checked against `ssd_varlen_scan_ref`."""
+    from modeling.ops import ssd_varlen_scan_ref
+
+    total, channels = b.xs.shape
+    heads, conv_channels = channels // head_dim, channels + 2 * state
+    num_seqs, num_slots = b.slots.shape[0], b.conv_state0.shape[0]
+    xbc_cm = randn(conv_channels, total)  # vLLM's conv is channel-major
+    weight = randn(conv_channels, 4, scale=0.5)
+    conv_state = randn(num_slots, conv_channels, 3)
+    x, B, C = randn(total, heads, head_dim), randn(total, 1, state), randn(total, 1, state)
+    dt = randn(total, heads, scale=0.5)
+    A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
+    D, dt_bias = randn(heads, dtype=torch.float32), randn(heads, dtype=torch.float32, scale=0.5) - 3
+    ssm_state0 = randn(num_slots, heads, head_dim, state, dtype=torch.float32)
+    chunks = vllm["compute_varlen_chunk_metadata"](b.cu_seqlens, chunk)
+
+    def prefill(ssm_state, out):
+        vllm["causal_conv1d_fn"](
+            xbc_cm, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
+            has_initial_state=b.has_initial, activation="silu",
+        )  # fmt: skip
+        initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
+        final = vllm["mamba_chunk_scan_combined_varlen"](
+            x, dt, A, B, C, chunk, b.cu_seqlens, *chunks, out, D=D, dt_bias=dt_bias, initial_states=initial,
+            dt_softplus=True, state_dtype=ssm_state.dtype,
+        )  # fmt: skip
+        ssm_state[b.slots] = final
+        return out
+
+    got_state, want_state = ssm_state0.clone(), ssm_state0.clone()
+    got = prefill(got_state, torch.full_like(x, float("nan")))
+    want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, b.cu_seqlens, b.slots,
+                               b.has_initial, chunk, dt_bias=dt_bias, dt_softplus=True)  # fmt: skip
+    errs = {"y": rel_err(got, want), "ssm_state": rel_err(got_state, want_state)}
+    state_bytes = 2 * num_seqs * (heads * head_dim * state * 4 + conv_channels * 3 * 2)
+    tokens_bytes = total * (2 * conv_channels * 2 + heads * 2 + 2 * channels * 2)  # xBC in/out, dt, x in, y out
+    work_state, work_out = ssm_state0.clone(), torch.empty_like(x)
+    return Row("prefill", "Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
+               f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state} (conv E-major)",
+               median_ms(lambda: prefill(work_state, work_out)), bytes=tokens_bytes + state_bytes,
+               rel_err=max(errs.values()), extra=errs)  # fmt: skip
 
 
 def paged_kv(seq_lens, num_kv_heads, head_dim, block_size):
