@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -340,19 +341,28 @@ def vllm_ops():
     try:
         from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn
         from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_scan_fn, selective_state_update
-        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
-        from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
         from vllm.v1.attention.ops.triton_unified_attention import unified_attention
     except Exception as error:  # noqa: BLE001 - any import failure means: no vLLM anchors in this run
         print(f"vLLM anchors skipped: {type(error).__name__}: {error}")
         return None
-    return {
+    ops = {
         "causal_conv1d_fn": causal_conv1d_fn,
         "selective_scan_fn": selective_scan_fn,
         "selective_state_update": selective_state_update,
         "unified_attention": unified_attention,
+    }
+    try:  # the Mamba-2 prefill row's: without them that row alone is skipped
+        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
+        from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
+        from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
+    except Exception as error:  # noqa: BLE001 - as above, for the Mamba-2 row only
+        print(f"vLLM's Mamba-2 anchor skipped: {type(error).__name__}: {error}")
+        return ops
+    return {
+        **ops,
         "mamba_chunk_scan_combined_varlen": mamba_chunk_scan_combined_varlen,
         "compute_varlen_chunk_metadata": compute_varlen_chunk_metadata,
+        "compute_causal_conv1d_metadata": compute_causal_conv1d_metadata,
     }
 
 
@@ -458,7 +468,8 @@ def bench_prefill(args) -> list[Row]:
 
         rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", b.shape + " (E-major)",
                         median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
-        rows.append(mamba2_prefill_row(b, vllm))
+        if "mamba_chunk_scan_combined_varlen" in vllm:
+            rows.append(mamba2_prefill_row(b, vllm))
     base = rows[0].ms
     for row in rows[1:]:
         row.note = f"ours is {row.ms / base:.1f}x faster"
@@ -471,13 +482,15 @@ def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chun
     """The same packed prefills through a Mamba-2 branch of the same width as `hybrid-mamba2` serves it (E / 64 heads
     of 64 channels, one group, N 128, chunks of 256): vLLM's conv over the E + 2N conv channels, then vLLM's chunked
     scan (`mamba_chunk_scan_combined_varlen`) from the slots' states (zeros for fresh prefills) into them, as
-    vllm_integration/history/mamba2_kernels.py calls them. The scan checked against `ssd_varlen_scan_ref`."""
+    vllm_integration/history/mamba2_kernels.py calls them: the conv over a channel-last [T, C] view, its program
+    tables and the scan's chunks built beforehand, as the metadata builders do. The scan checked against
+    `ssd_varlen_scan_ref`."""
     from modeling.ops import ssd_varlen_scan_ref
 
     total, channels = b.xs.shape
     heads, conv_channels = channels // head_dim, channels + 2 * state
     num_seqs, num_slots = b.slots.shape[0], b.conv_state0.shape[0]
-    xbc_cm = randn(conv_channels, total)  # vLLM's conv is channel-major
+    xbc = randn(total, conv_channels)
     weight = randn(conv_channels, 4, scale=0.5)
     conv_state = randn(num_slots, conv_channels, 3)
     x, B, C = randn(total, heads, head_dim), randn(total, 1, state), randn(total, 1, state)
@@ -486,11 +499,17 @@ def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chun
     D, dt_bias = randn(heads, dtype=torch.float32), randn(heads, dtype=torch.float32, scale=0.5) - 3
     ssm_state0 = randn(num_slots, heads, head_dim, state, dtype=torch.float32)
     chunks = vllm["compute_varlen_chunk_metadata"](b.cu_seqlens, chunk)
+    nums_dict, batch_ptr, token_chunk_offset_ptr = vllm["compute_causal_conv1d_metadata"](
+        b.cu_seqlens.cpu(), device=b.cu_seqlens.device
+    )
+    conv_tables = SimpleNamespace(
+        nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
+    )
 
     def prefill(ssm_state, out):
         vllm["causal_conv1d_fn"](
-            xbc_cm, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
-            has_initial_state=b.has_initial, activation="silu",
+            xbc.T, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
+            has_initial_state=b.has_initial, activation="silu", metadata=conv_tables,
         )  # fmt: skip
         initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
         final = vllm["mamba_chunk_scan_combined_varlen"](
@@ -509,7 +528,7 @@ def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chun
     tokens_bytes = total * (2 * conv_channels * 2 + heads * 2 + 2 * channels * 2)  # xBC in/out, dt, x in, y out
     work_state, work_out = ssm_state0.clone(), torch.empty_like(x)
     return Row("prefill", "Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
-               f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state} (conv E-major)",
+               f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state}",
                median_ms(lambda: prefill(work_state, work_out)), bytes=tokens_bytes + state_bytes,
                rel_err=max(errs.values()), extra=errs)  # fmt: skip
 

@@ -202,29 +202,32 @@ def test_the_step_reference_steps_through_what_the_sequence_reference_computes()
     assert got[~real].abs().max() == 0
 
 
-STEP_CASES = [  # dtype, ssm state dtype, conv bias, padding, channels per conv/x_proj program (None: the default)
-    (torch.float32, torch.float32, True, False, None),
-    (torch.float32, torch.float32, False, True, 16),
-    (torch.bfloat16, torch.float32, True, True, 16),
-    (torch.bfloat16, torch.bfloat16, True, False, None),
+STEP_CASES = [  # dtype, ssm state dtype, conv bias, padding mask dtype (None: no mask), small blocks
+    (torch.float32, torch.float32, True, None, False),
+    (torch.float32, torch.float32, False, torch.long, True),
+    (torch.bfloat16, torch.float32, True, torch.bool, True),
+    (torch.bfloat16, torch.bfloat16, True, torch.float32, False),
 ]
 
 
 @pytest.mark.parametrize(
-    "dtype,state_dtype,conv_bias,padded,block_e",
+    "dtype,state_dtype,conv_bias,mask_dtype,small_blocks",
     STEP_CASES,
-    ids=[f"{str(c[0])[6:]}-state_{str(c[1])[6:]}{'-bias' if c[2] else ''}{'-padded' if c[3] else ''}-block{c[4]}"
-         for c in STEP_CASES],
+    ids=[f"{str(c[0])[6:]}-state_{str(c[1])[6:]}{'-bias' if c[2] else ''}-mask_{str(c[3])[6:]}"
+         f"{'-small_blocks' if c[4] else ''}" for c in STEP_CASES],
 )  # fmt: skip
-def test_the_step_kernels_follow_the_step_reference(inner, monkeypatch, dtype, state_dtype, conv_bias, padded, block_e):
+def test_the_step_kernels_follow_the_step_reference(
+    inner, monkeypatch, dtype, state_dtype, conv_bias, mask_dtype, small_blocks
+):
     """Three decode steps on the kernels and on the float64 reference from the same random caches: the outputs,
     the conv history and the state after each step. The caches are strided views (the rows of a wider buffer, the
     state's last two dimensions swapped; the caches one row longer than the batch), xz a view of a wider output;
-    E = 72 in programs of 16 channels sums x_proj over five shares, the last one partial; R and N are not powers of
-    two."""
+    R and N are not powers of two. With small blocks every loop of the kernels takes several steps, the last one
+    partial: E = 72 in conv programs of 16 channels (five x_proj shares, summed two at a time), x_proj's 17 rows
+    eight at a time, dt_proj's 5 columns four at a time."""
     decode = importlib.import_module("modeling.ops.mamba_inner.decode")
-    if block_e is not None:
-        monkeypatch.setattr(decode, "pick_x_proj_block_e", lambda *args: block_e)
+    if small_blocks:
+        monkeypatch.setattr(decode, "pick_step_blocks", lambda *args: decode.StepBlocks(e1=16, j=8, e2=16, r=4, p=2))
     batch, channels, state, dt_rank, steps = 3, 72, 6, 5, 3
     tensors = random_branch(batch, steps, channels, state, dt_rank, seed=11)
     if not conv_bias:
@@ -232,7 +235,7 @@ def test_the_step_kernels_follow_the_step_reference(inner, monkeypatch, dtype, s
     g = torch.Generator().manual_seed(12)
     conv_state = torch.randn(batch, channels, 3, generator=g, dtype=torch.float64)
     ssm_state = torch.randn(batch, channels, state, generator=g, dtype=torch.float64)
-    padding_mask = torch.tensor([[1], [0], [1]]) if padded else None
+    padding_mask = torch.tensor([[1], [0], [1]], dtype=mask_dtype) if mask_dtype is not None else None
 
     rounded = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
     weights = {k: v.to(DEVICE) if v is not None else None for k, v in weights_of(rounded).items()}
@@ -262,7 +265,7 @@ def test_the_step_kernels_follow_the_step_reference(inner, monkeypatch, dtype, s
         # Nothing outside the batch's rows of the caches' views is written.
         assert conv_buffer[:, 0].isnan().all() and conv_buffer[batch].isnan().all()
         assert state_buffer[batch].isnan().all()
-    if padded:  # the padding row's state is the one it started with, its output zeros
+    if padding_mask is not None:  # the padding row's state is the one it started with, its output zeros
         assert_close_scaled(ssm_cache[1], ssm_state[1], TOL[state_dtype], "the padding row's state")
         assert out[1].abs().max() == 0
 

@@ -167,6 +167,28 @@ def test_peft_lora_on_the_projection_names(make_model):
             assert torch.equal(param, frozen_before[name]), name
 
 
+@pytest.mark.parametrize("target", ["dt_proj", "x_proj"])
+def test_an_adapter_on_the_branch_projections_takes_part_in_the_decode_step(make_model, target):
+    """With a LoRA adapter on x_proj or dt_proj the branch runs its modules one by one, and a cached decode step gives
+    the logits of the same position in a cache-free forward of the whole sequence: the adapter acts in the decode step
+    as in the prefill (the decode step once applied dt_proj's base weight alone)."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = make_model().eval()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=[target],
+                                                      init_lora_weights=False))  # fmt: skip
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.5)  # an adapter that moves the step
+    ids = torch.randint(3, 97, (2, 12))
+    with torch.no_grad():
+        want = lora(ids).logits[:, -2:]
+        cache = lora(ids[:, :-2], use_cache=True).past_key_values
+        steps = [lora(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits for t in (10, 11)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-5, rtol=1e-4)
+
+
 class WindowRecorder(TrainerCallback):
     """The attention window each optimizer step's forwards ran with (after the callbacks before it set it)."""
 

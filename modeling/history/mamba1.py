@@ -161,14 +161,17 @@ class Mamba1Branch(HistoryBranch):
         it was (the update's padding slot, -1; its output, zeros, is nobody's). Returns y [B, 1, E].
 
         With plain modules the whole step is one op (`mamba_inner_step`: two launches on the kernels, where the
-        modules take two kernels, two GEMMs and about fifteen aten ops: a generate() step with the dynamic cache is
-        bound by that host work, one with the static cache by its kernel count)."""
+        modules take two kernels, two GEMMs and about thirteen aten ops more: a generate() step with the dynamic cache
+        is bound by that host work, one with the static cache by its launches)."""
         conv_state, ssm_state = layer_cache.conv_states[0], layer_cache.recurrent_states[0]
         if self._inner_modules_are_plain():
+            # Steps 2-4 as one op, as `mamba_inner` does them without a cache
             return ops.mamba_inner_step(
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
                 self.A_log, self.D, conv_state, ssm_state, padding_mask,
             )  # fmt: skip
+        # 1b. xs and z of the token, padding zeroed, as in `forward`; 2. the conv update; 3. x_proj and dt_proj,
+        #     called (an adapter on either takes part, as in the prefill); 4. the state update, softplus in fp32
         xs, z = xz[:, 0].chunk(2, dim=-1)  # [B, E] each
         rows = stepped = torch.arange(xz.shape[0], device=xz.device, dtype=torch.int32)  # row i owns cache row i
         if padding_mask is not None:
@@ -176,9 +179,10 @@ class Mamba1Branch(HistoryBranch):
             stepped = torch.where(padding_mask[:, 0].bool(), rows, -1)
         u = ops.conv_update(xs, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
         dt_low, B, C = self.x_proj(u).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        dt = F.linear(dt_low, self.dt_proj.weight)  # raw: the update adds dt_proj's bias, then softplus, in fp32
+        dt = self.dt_proj(dt_low)  # its bias included: the update's own bias is zero
         y = torch.empty_like(u)
-        ops.state_update(ssm_state, u, dt, decay_rates(self.A_log), B, C, self.D, z, self.dt_proj.bias, stepped, y)
+        no_bias = torch.zeros_like(self.D)
+        ops.state_update(ssm_state, u, dt, decay_rates(self.A_log), B, C, self.D, z, no_bias, stepped, y)
         return y[:, None]
 
     def _inner_modules_are_plain(self) -> bool:

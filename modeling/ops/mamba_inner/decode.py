@@ -1,8 +1,10 @@
 """Decode step of the SSM branch between its projections (public function `mamba_inner_step` in interface.py;
 reference `mamba_inner_step_ref` in reference.py, with the exact semantics): one token per cache row, the conv and
 the state updated in place, in two launches where the module path takes the conv update kernel, the x_proj and
-dt_proj GEMMs, the decay rates, the state update kernel and about twenty aten ops between them. Inference only.
+dt_proj GEMMs, the decay rates, the state update kernel and about thirteen aten ops between them. Inference only.
 
+    StepBlocks, pick_step_blocks  the launch shape: register tiles of ~4096 fp32 values at any width, the wide
+                            weights and the shares walked in steps
     _conv_x_proj_kernel     grid (cdiv(E, BLOCK_E), rows): the conv update of a block of channels
                             (`conv_update_channels`), u stored in the output, and the block's share of x_proj, fp32
                             [block, row, R+2N]
@@ -19,6 +21,7 @@ every product and sum is fp32.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -29,6 +32,31 @@ from ..selective_scan.decode import pick_state_update_block_e, ssm_step
 from ..triton_utils import softplus
 
 
+class StepBlocks(NamedTuple):
+    """Launch shape of the two kernels, every register tile about 4096 fp32 values whatever the widths: e1, channels
+    per conv/x_proj program (E / e1 shares of x_proj per row), j, rows of x_proj's weight per inner step; e2,
+    channels per state program, r, columns of dt_proj's weight per inner step, p, shares summed per inner step."""
+
+    e1: int
+    j: int
+    e2: int
+    r: int
+    p: int
+
+
+@functools.cache
+def pick_step_blocks(num_channels: int, dt_rank: int, state_size: int) -> StepBlocks:
+    e1 = min(triton.next_power_of_2(num_channels), 128)
+    j = max(16, min(triton.next_power_of_2(dt_rank + 2 * state_size), 4096 // e1))
+    e2 = pick_state_update_block_e(num_channels, state_size)
+    r = max(16, min(triton.next_power_of_2(dt_rank), 4096 // e2))
+    p = min(
+        triton.next_power_of_2(triton.cdiv(num_channels, e1)),
+        max(1, 4096 // max(r, triton.next_power_of_2(state_size))),
+    )
+    return StepBlocks(e1, j, e2, r, p)
+
+
 @triton.jit
 def _conv_x_proj_kernel(
     p_xz, p_conv_w, p_conv_b, p_conv_state, p_mask, p_u, p_x_proj_w, p_parts,
@@ -37,9 +65,8 @@ def _conv_x_proj_kernel(
     BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
 ):  # fmt: skip
     """Row i_r, channels i_e*BLOCK_E..: u = silu(conv(history, xs)) stored [rows, E] (xs: xz[:, :E]), the history
-    shifted, and
-    parts[i_e, i_r, :] = x_proj_w[:, block] @ u[block] (J = R + 2N). A padding row (mask 0) enters the history as
-    zeros, as in the scan."""
+    shifted, and the block's share of x_proj, parts[i_e, i_r, :] = x_proj_w[:, block] @ u[block] (J = R + 2N), in
+    steps of BLOCK_J of its J rows. A padding row (mask 0) enters the history as zeros, as in the scan."""
     i_e, i_r = tl.program_id(0), tl.program_id(1)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
@@ -53,23 +80,31 @@ def _conv_x_proj_kernel(
     b_u = b_u.to(p_u.dtype.element_ty)
     tl.store(p_u + i_r.to(tl.int64) * E + o_e, b_u, mask=m_e)
 
+    b_u = b_u.to(tl.float32)
     o_j = tl.arange(0, BLOCK_J)
-    m_j = o_j < J
-    b_w = tl.load(
-        p_x_proj_w + o_j[:, None] * s_xw_j + o_e[None, :] * s_xw_e, mask=m_j[:, None] & m_e[None, :], other=0.0
-    ).to(tl.float32)
-    b_part = tl.sum(b_w * b_u.to(tl.float32)[None, :], axis=1)
-    tl.store(p_parts + (i_e * num_rows + i_r).to(tl.int64) * J + o_j, b_part, mask=m_j)
+    p_share = p_parts + (i_e * num_rows + i_r).to(tl.int64) * J
+    for j0 in range(0, J, BLOCK_J):
+        m_j = j0 + o_j < J
+        p_w = p_x_proj_w + (j0 + o_j)[:, None] * s_xw_j + o_e[None, :] * s_xw_e
+        b_w = tl.load(p_w, mask=m_j[:, None] & m_e[None, :], other=0.0).to(tl.float32)
+        tl.store(p_share + j0 + o_j, tl.sum(b_w * b_u[None, :], axis=1), mask=m_j)
 
 
 @triton.jit
-def _x_proj_slice(p_row_parts, m_parts, offset, size, BLOCK: tl.constexpr, dtype: tl.constexpr):
-    """Columns [offset, offset + size) of x_proj's output for one row: its shares summed, rounded to `dtype` as the
-    GEMM's output would be, returned in fp32 [BLOCK]."""
-    o = tl.arange(0, BLOCK)
-    m = o < size
-    b = tl.load(p_row_parts + offset + o[None, :], mask=m_parts[:, None] & m[None, :], other=0.0)
-    return tl.sum(b, axis=0).to(dtype).to(tl.float32)
+def _x_proj_columns(
+    p_row_parts, part_stride, num_parts, o_cols, m_cols,
+    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """Columns o_cols ([BLOCK]) of x_proj's output for one row: its shares (share k at p_row_parts + k *
+    part_stride) summed BLOCK_P at a time, in a fixed order, rounded to `dtype` as the GEMM's output would be;
+    returned in fp32."""
+    o_p = tl.arange(0, BLOCK_P)
+    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        m_p = p0 + o_p < num_parts
+        p_shares = p_row_parts + (p0 + o_p).to(tl.int64)[:, None] * part_stride + o_cols[None, :]
+        b_acc += tl.sum(tl.load(p_shares, mask=m_p[:, None] & m_cols[None, :], other=0.0), axis=0)
+    return b_acc.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -79,28 +114,33 @@ def _dt_state_kernel(
     HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """Row i_r, channels i_e*BLOCK_E..: (dt_low, B, C) = the sum of the row's x_proj shares, dt = dt_proj_w @ dt_low,
-    step = softplus(dt + dt_bias), the state step with A = -exp(A_log), out = (state . C + D u) silu(z) (z:
-    xz[:, E:]). A padding row keeps its state and writes zeros. p_out may be p_u: each program reads its u first."""
+    """Row i_r, channels i_e*BLOCK_E..: (dt_low, B, C) = the sum of the row's x_proj shares, dt = dt_proj_w @ dt_low
+    (BLOCK_R of its R columns at a time), step = softplus(dt + dt_bias), the state step with A = -exp(A_log), out =
+    (state . C + D u) silu(z) (z: xz[:, E:]). A padding row keeps its state and writes zeros. p_out may be p_u:
+    each of its elements is stored by the program that loaded it, after the load (y depends on u)."""
     i_r, i_e = tl.program_id(0), tl.program_id(1)
     dtype = p_u.dtype.element_ty
-    o_p = tl.arange(0, BLOCK_P)
-    p_row_parts = p_parts + ((o_p * num_rows + i_r).to(tl.int64) * (R + 2 * N))[:, None]  # [BLOCK_P, 1]
-    m_parts = o_p < num_parts
-    b_dt_low = _x_proj_slice(p_row_parts, m_parts, 0, R, BLOCK_R, dtype)
-    b_B = _x_proj_slice(p_row_parts, m_parts, R, N, BLOCK_N, dtype)
-    b_C = _x_proj_slice(p_row_parts, m_parts, R + N, N, BLOCK_N, dtype)
+    p_row_parts = p_parts + i_r.to(tl.int64) * (R + 2 * N)
+    part_stride = num_rows * (R + 2 * N)
+    o_n = tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_B = _x_proj_columns(p_row_parts, part_stride, num_parts, R + o_n, m_n, BLOCK_N, BLOCK_P, dtype)
+    b_C = _x_proj_columns(p_row_parts, part_stride, num_parts, R + N + o_n, m_n, BLOCK_N, BLOCK_P, dtype)
 
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    m_e = o_e < E
     o_r = tl.arange(0, BLOCK_R)
-    o_n = tl.arange(0, BLOCK_N)
-    m_e, m_r, m_n = o_e < E, o_r < R, o_n < N
-    m_en = m_e[:, None] & m_n[None, :]
-    b_dt_w = tl.load(
-        p_dt_w + o_e[:, None] * s_dw_e + o_r[None, :] * s_dw_r, mask=m_e[:, None] & m_r[None, :], other=0.0
-    ).to(tl.float32)
-    b_dt = tl.sum(b_dt_w * b_dt_low[None, :], axis=1).to(dtype).to(tl.float32)
+    b_dt = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        m_r = r0 + o_r < R
+        b_dt_low = _x_proj_columns(p_row_parts, part_stride, num_parts, r0 + o_r, m_r, BLOCK_R, BLOCK_P, dtype)
+        p_w = p_dt_w + o_e[:, None] * s_dw_e + (r0 + o_r)[None, :] * s_dw_r
+        b_w = tl.load(p_w, mask=m_e[:, None] & m_r[None, :], other=0.0).to(tl.float32)
+        b_dt += tl.sum(b_w * b_dt_low[None, :], axis=1)
+    b_dt = b_dt.to(dtype).to(tl.float32)
     b_step = softplus(b_dt + tl.load(p_dt_b + o_e, mask=m_e, other=0.0).to(tl.float32))
+
+    m_en = m_e[:, None] & m_n[None, :]
     b_A_log = tl.load(p_A_log + o_e[:, None] * s_al_e + o_n[None, :] * s_al_n, mask=m_en, other=0.0)
     b_A = -tl.exp(b_A_log.to(tl.float32))
     b_u = tl.load(p_u + i_r.to(tl.int64) * E + o_e, mask=m_e, other=0.0).to(tl.float32)
@@ -113,14 +153,8 @@ def _dt_state_kernel(
     is_real = True
     if HAS_MASK:
         is_real = tl.load(p_mask + i_r * s_mask) != 0
-    tl.store(p_state, b_state.to(p_ssm_state.dtype.element_ty), mask=m_en & is_real)
+    tl.store(p_state, b_state.to(p_ssm_state.dtype.element_ty), mask=tl.where(is_real, m_en, False))
     tl.store(p_out + i_r.to(tl.int64) * E + o_e, tl.where(is_real, b_y, 0.0).to(p_out.dtype.element_ty), mask=m_e)
-
-
-@functools.cache
-def pick_x_proj_block_e(num_channels: int, x_proj_rows: int) -> int:
-    """Channels per conv/x_proj program: a [R + 2N, BLOCK_E] fp32 tile of x_proj's weight of about 4096 values."""
-    return min(triton.next_power_of_2(num_channels), max(16, 4096 // triton.next_power_of_2(x_proj_rows)))
 
 
 def launch_mamba_inner_step(
@@ -132,8 +166,8 @@ def launch_mamba_inner_step(
     num_rows, num_channels = out.shape
     dt_rank, state_size = dt_proj_weight.shape[1], A_log.shape[1]
     x_proj_rows = dt_rank + 2 * state_size
-    block_e1 = pick_x_proj_block_e(num_channels, x_proj_rows)
-    num_parts = triton.cdiv(num_channels, block_e1)
+    blocks = pick_step_blocks(num_channels, dt_rank, state_size)
+    num_parts = triton.cdiv(num_channels, blocks.e1)
     parts = torch.empty(num_parts, num_rows, x_proj_rows, device=xz.device, dtype=torch.float32)
     mask = padding_mask if padding_mask is not None else out  # not read without HAS_MASK
     _conv_x_proj_kernel[(num_parts, num_rows)](
@@ -141,13 +175,12 @@ def launch_mamba_inner_step(
         num_channels, x_proj_rows, num_rows, mask.stride(0), xz.stride(0), conv_weight.stride(0), conv_weight.stride(2),
         *conv_state.stride(), *x_proj_weight.stride(),
         K=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
-        HAS_MASK=padding_mask is not None, BLOCK_E=block_e1, BLOCK_J=triton.next_power_of_2(x_proj_rows),
+        HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e1, BLOCK_J=blocks.j,
     )  # fmt: skip
-    block_e2 = pick_state_update_block_e(num_channels, state_size)
-    _dt_state_kernel[(num_rows, triton.cdiv(num_channels, block_e2))](
+    _dt_state_kernel[(num_rows, triton.cdiv(num_channels, blocks.e2))](
         out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, mask, out,
         num_channels, dt_rank, state_size, num_parts, num_rows, mask.stride(0), xz.stride(0), *dt_proj_weight.stride(),
         *A_log.stride(), *ssm_state.stride(),
-        HAS_MASK=padding_mask is not None, BLOCK_E=block_e2, BLOCK_R=triton.next_power_of_2(dt_rank),
-        BLOCK_N=triton.next_power_of_2(state_size), BLOCK_P=triton.next_power_of_2(num_parts),
+        HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e2, BLOCK_R=blocks.r,
+        BLOCK_N=triton.next_power_of_2(state_size), BLOCK_P=blocks.p,
     )  # fmt: skip

@@ -1,15 +1,21 @@
-"""One autograd node for the SSM branch between its projections (mamba_ssm's `mamba_inner_fn`, with in_proj and
-out_proj left to their modules so that adapters and tensor-parallel plans keep them): the conv kernel, x_proj and
-dt_proj as plain GEMMs, the scan kernel, and the backward of all four written out. Reference: `mamba_inner_ref`.
+"""The SSM branch between its projections as one op (mamba_ssm's `mamba_inner_fn`, with in_proj and out_proj left
+to their modules so that adapters and tensor-parallel plans keep them), in two forms:
+
+    mamba_inner_fn     training and cache-free forwards: one autograd node over the conv kernel, x_proj and dt_proj
+                       as plain GEMMs and the scan kernel, the backward of all four written out (`mamba_inner_ref`)
+    mamba_inner_step   a decode step on the caches, in two launches (kernels in decode.py; `mamba_inner_step_ref`);
+                       under torch.compile one opaque custom op
 
 Why one node: built from modules, the branch records about a dozen autograd nodes a layer (conv, x_proj, the split,
 dt_proj, -exp(A_log), the scan and the views between them), and a training step of the issue-36 probe is host-bound
 on an H200 (BENCHMARKS.md). Here the same work is one node whose backward calls the GEMMs and kernels directly and
 takes dt_proj's bias inside the scan. It dispatches about as many aten ops as the module path (the GEMMs, the
-kernels' allocations and reductions stay); what goes is the autograd bookkeeping between them.
+kernels' allocations and reductions stay); what goes is the autograd bookkeeping between them. Why one decode op: a
+generate() step with the dynamic cache is bound by its host work, one with the static cache by its launches, and the
+module path's step is two kernels, two GEMMs and about thirteen aten ops more.
 
-The module path stays for what this op cannot see: adapters or quantised layers in place of x_proj / dt_proj /
-conv1d, hooks on them, and the cache (Mamba1Branch picks).
+The module path stays for what these ops cannot see: adapters or quantised layers in place of x_proj / dt_proj /
+conv1d, and hooks on them (Mamba1Branch picks), and for the cached prefills (chunked prefill, the scan from a state).
 """
 
 import torch
