@@ -10,7 +10,7 @@
 #                                          # K: a pytest -k expression. vLLM serves hybrids on its V1 model
 #                                          # runner; `VLLM_USE_V2_MODEL_RUNNER=1 bash ... vllm` runs the same
 #                                          # tests on Model Runner V2 (the engines inherit the environment)
-#   bash scripts/device_check.sh steps [TREES]  # one SSM branch's host work (bench_host_work.py), then
+#   bash scripts/device_check.sh steps [TREES]  # one SSM branch's host work and a decode step's (bench_host_work.py), then
 #                                          # the training step against the same model with the SSM branch off
 #                                          # (3 rounds, one profiled step; TREES: more trees beside this one, as
 #                                          # bisect_train_step.py takes them) and generate() at the small shape
@@ -92,6 +92,8 @@ case "${1:-kernels}" in
     shift
     # One SSM branch's training step: host work on the fused op and on the module path, side by side.
     python3 scripts/bench_host_work.py --python-profile 30 --json "$OUT/host_work.json" 2>&1 | tee "$OUT/host_work.log"
+    # A generate() decode step's host work (dynamic cache): the hybrid's fused branch step and module path, Mistral.
+    python3 scripts/bench_host_work.py --decode --json "$OUT/host_work_decode.json" 2>&1 | tee "$OUT/host_work_decode.log"
     python3 scripts/bisect_train_step.py . "$@" --swa-tree . --rounds "${STEP_ROUNDS:-3}" --profile-trees . \
       --budget-s "${STEP_BUDGET_S:-200}" --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -12
     train_status=${PIPESTATUS[0]}
