@@ -10,7 +10,7 @@ from conftest import compiled_variants
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_state_update_ref
 from tools.paged_cache import DEVICE, paged_kv_cache
-from vllm_integration.ops import hybrid_decode_ref, window_attention_decode_ref
+from vllm_integration.ops import hybrid_decode_ref, hybrid_decode_ssd_ref, window_attention_decode_ref
 
 pytest.importorskip("triton")
 
@@ -490,3 +490,71 @@ def test_empty_batch_launches_nothing(kernels):
     )
     assert attn_out.shape == (0, 4, 16) and ssm_out.shape == (0, 16)
     assert torch.equal(ssm_state, state_before)
+
+
+SSD_DECODE_CASES = [  # dtype, state dtype, (Hs, G, P, N), block_p, splits
+    (torch.float32, torch.float32, (4, 2, 12, 8), None, 1),
+    (torch.bfloat16, torch.float32, (6, 3, 20, 16), 8, 3),
+    (torch.bfloat16, torch.bfloat16, (4, 1, 16, 8), 16, 2),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,state_dtype,ssm_shape,block_p,splits",
+    SSD_DECODE_CASES,
+    ids=[f"{dtype_id(c[0])}-state_{dtype_id(c[1])}-Hs{c[2][0]}G{c[2][1]}P{c[2][2]}N{c[2][3]}-bp{c[3]}-split{c[4]}"
+         for c in SSD_DECODE_CASES],
+)  # fmt: skip
+def test_hybrid_decode_ssd_matches_reference(kernels, dtype, state_dtype, ssm_shape, block_p, splits):
+    """The fused decode with a Mamba-2 branch (`hybrid_decode_ssd`) against its reference: the window attention as in
+    `hybrid_decode`, and Mamba-2's state update with heads sharing their group's B and C, dt's bias and softplus,
+    one first-token row (has_initial_state False: from a zero state) and one CUDA-graph padding row on vLLM's null
+    block (slot 0, seq_len 0, flag False: it computes from zero and writes only the null block). Outputs poisoned
+    (NaN); slots no request names are left bit-identical; head channels split into programs (block_p below P, the
+    last block partial)."""
+    num_heads, num_kv_heads, head_dim, page_size, window = 8, 2, 16, 16, 20
+    ssm_heads, groups, ssm_head_dim, state = ssm_shape
+    g = torch.Generator().manual_seed(ssm_heads * ssm_head_dim + state)
+    seq_lens = [37, 1, 0, 64, 23]
+    batch, num_slots = len(seq_lens), 8
+    key_cache, value_cache, block_table = paged_kv_cache(
+        seq_lens, window, page_size, num_kv_heads, head_dim, dtype, "triton", g
+    )
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+    query = rand(batch, num_heads, head_dim).to(dtype)
+    # x, B and C: column views of the conv's output [B, E + 2GN], as the branch splits it.
+    xbc = rand(batch, ssm_heads * ssm_head_dim + 2 * groups * state).to(dtype)
+    x = xbc[:, : ssm_heads * ssm_head_dim].unflatten(-1, (ssm_heads, ssm_head_dim))
+    B = xbc[:, ssm_heads * ssm_head_dim : -groups * state].unflatten(-1, (groups, state))
+    C = xbc[:, -groups * state :].unflatten(-1, (groups, state))
+    dt = rand(batch, ssm_heads).to(dtype)
+    A, D, dt_bias = -torch.exp(rand(ssm_heads, scale=0.5)), rand(ssm_heads), rand(ssm_heads) - 2
+    ssm_state = rand(num_slots, ssm_heads, ssm_head_dim, state).to(state_dtype)
+    state_indices = torch.tensor([7, 2, 0, 5, 3], dtype=torch.int32, device=DEVICE)
+    has_initial = torch.tensor([True, False, False, True, True], device=DEVICE)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    state_before, state_ref = ssm_state.clone(), ssm_state.clone()
+    attn_out, attn_ref = torch.full_like(query, float("nan")), torch.empty_like(query)
+    out, out_ref = torch.full_like(x, float("nan")), torch.empty_like(x)
+    update = {"dt_bias": dt_bias, "dt_softplus": True}
+
+    result = kernels.hybrid_decode_ssd(
+        *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
+        *(ssm_state, x, dt, A, B, C, D, state_indices, has_initial),
+        **update, out=out, num_splits=splits, block_p=block_p,
+    )  # fmt: skip
+    hybrid_decode_ssd_ref(
+        *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_ref),
+        *(state_ref, x, dt, A, B, C, D, state_indices, has_initial),
+        **update, out=out_ref,
+    )  # fmt: skip
+
+    assert result is out
+    torch.testing.assert_close(attn_out.float(), attn_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.float(), out_ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(attn_out[2], torch.zeros_like(attn_out[2]))
+    check_state(ssm_state, state_ref, state_before, set(state_indices.tolist()), state_dtype)

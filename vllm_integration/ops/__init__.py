@@ -17,12 +17,13 @@ SSM branch's other kernels (conv, scan, and the state update alone, whose SSM st
 with the Transformers model and live in modeling/ops.
 """
 
-from .hybrid_decode import hybrid_decode_ref, window_attention_decode_ref
+from .hybrid_decode import hybrid_decode_ref, hybrid_decode_ssd_ref, window_attention_decode_ref
 from .paged_attention import paged_window_attention_ref
 from .zero_states import zero_new_states_ref
 
 __all__ = [
     "hybrid_decode_ref",
+    "hybrid_decode_ssd_ref",
     "paged_window_attention_ref",
     "window_attention_decode_ref",
     "zero_new_states_ref",

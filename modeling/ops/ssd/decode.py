@@ -2,8 +2,12 @@
 in one launch (reference `ssd_state_update_ref` in reference.py, with the exact semantics). Inference only: no
 autograd.
 
-    _ssd_state_update_kernel   one (request, head, block of head channels): the state tile [BLOCK_P, N] in registers,
-                               its decay, input and readout; grid (R, H, cdiv(P, BLOCK_P))
+    SSDUpdateArgs              the step's tensors, strides and sizes as ONE kernel argument (a named tuple: Triton
+                               compiles its fields as separate arguments), built and checked by `ssd_update_args`
+    ssd_state_step             one (request, head, block of head channels) (@triton.jit): the state tile
+                               [BLOCK_P, N] in registers, its decay, input and readout; the body of
+                               `_ssd_state_update_kernel` (grid (R, H, cdiv(P, BLOCK_P))) and of the SSM programs
+                               of vLLM's fused decode (vllm_integration/ops/hybrid_decode)
     ssd_state_update           the checks and the launch; under torch.compile one opaque custom op
                                (`torch.ops.hybrid_ssm.ssd_state_update`), so a compiled decode step keeps it in its
                                graph
@@ -12,6 +16,8 @@ Why a kernel: the reference gathers every request's [H, P, N] state out of the c
 dozen elementwise ops, each a launch and, on the host, a dispatch; generate()'s decode step runs it in every layer.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -19,50 +25,105 @@ import triton.language as tl
 from ..triton_utils import check_flags, check_index, check_tokens, softplus
 
 
+class SSDUpdateArgs(NamedTuple):
+    """What `ssd_state_step` reads and writes for R decoding requests (shapes in `ssd_state_update`)."""
+
+    state: torch.Tensor  # [slots, H, P, N], updated in place
+    s_state_slot: int
+    s_state_h: int
+    s_state_p: int
+    s_state_n: int
+    x: torch.Tensor  # [R, H, P]
+    s_x_r: int
+    s_x_h: int
+    dt: torch.Tensor  # [R, H]
+    s_dt_r: int
+    dt_bias: torch.Tensor  # [H]; A stands in (never read) without HAS_DT_BIAS
+    A: torch.Tensor  # [H] fp32
+    D: torch.Tensor  # [H]
+    B: torch.Tensor  # [R, G, N]
+    s_B_r: int
+    s_B_g: int
+    C: torch.Tensor  # [R, G, N]
+    s_C_r: int
+    s_C_g: int
+    out: torch.Tensor  # [R, H, P]
+    s_out_r: int
+    s_out_h: int
+    state_indices: torch.Tensor  # [R]; dt stands in without HAS_INDICES (request i owns slot i)
+    has_initial: torch.Tensor  # [R] bool; dt stands in without HAS_INITIAL_FLAGS
+    H: int
+    P: int
+    N: int
+    heads_per_group: int
+
+
 @triton.jit
-def _ssd_state_update_kernel(
-    p_state, p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_out, p_state_indices, p_has_initial,
-    s_state_slot, s_state_h, s_state_p, s_state_n, s_x_r, s_x_h, s_dt_r, s_B_r, s_B_g, s_C_r, s_C_g, s_out_r, s_out_h,
-    P, N, heads_per_group,
-    HAS_INDICES: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+def ssd_state_step(
+    ssd, i_r, i_h, i_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
 ):  # fmt: skip
-    """Request `i_r`, head `i_h`, head channels [i_p * BLOCK_P, (i_p + 1) * BLOCK_P): the state steps by
-    exp(dt A) h + dt x B^T, and y = h C + D x from the fp32 state (the stored one is rounded to the cache's dtype).
-    B and C are the head's group's (heads_per_group consecutive heads share one). A request whose has_initial flag is
-    False starts from a zero state, whatever its slot holds."""
-    i_r, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Request `i_r`, head `i_h`, head channels [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) (`ssd`: an SSDUpdateArgs): the
+    state steps by exp(dt A) h + dt x B^T, and y = h C + D x from the fp32 state (the stored one is rounded to the
+    cache's dtype). B and C are the head's group's (heads_per_group consecutive heads share one). A request whose
+    has_initial flag is False starts from a zero state, whatever its slot holds."""
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
-    m_p, m_n = o_p < P, o_n < N
+    m_p, m_n = o_p < ssd.P, o_n < ssd.N
     m_pn = m_p[:, None] & m_n[None, :]
-
     if HAS_INDICES:
-        slot = tl.load(p_state_indices + i_r).to(tl.int64)
+        slot = tl.load(ssd.state_indices + i_r).to(tl.int64)
     else:
         slot = i_r.to(tl.int64)
     m_read = m_pn
     if HAS_INITIAL_FLAGS:
-        m_read = m_read & (tl.load(p_has_initial + i_r) != 0)
-    p_slot = p_state + slot * s_state_slot + i_h * s_state_h + o_p[:, None] * s_state_p + o_n[None, :] * s_state_n
+        m_read = m_read & (tl.load(ssd.has_initial + i_r) != 0)
+    p_slot = (
+        ssd.state + slot * ssd.s_state_slot + i_h * ssd.s_state_h
+        + o_p[:, None] * ssd.s_state_p + o_n[None, :] * ssd.s_state_n
+    )  # fmt: skip
     b_h = tl.load(p_slot, mask=m_read, other=0.0).to(tl.float32)
-
-    b_dt = tl.load(p_dt + i_r * s_dt_r + i_h).to(tl.float32)
+    b_dt = tl.load(ssd.dt + i_r * ssd.s_dt_r + i_h).to(tl.float32)
     if HAS_DT_BIAS:
-        b_dt += tl.load(p_dt_bias + i_h).to(tl.float32)
+        b_dt += tl.load(ssd.dt_bias + i_h).to(tl.float32)
     if DT_SOFTPLUS:
         b_dt = softplus(b_dt)
-    b_A = tl.load(p_A + i_h).to(tl.float32)
-    b_D = tl.load(p_D + i_h).to(tl.float32)
-    b_x = tl.load(p_x + i_r * s_x_r + i_h * s_x_h + o_p, mask=m_p, other=0.0).to(tl.float32)
-    i_g = i_h // heads_per_group
-    b_B = tl.load(p_B + i_r * s_B_r + i_g * s_B_g + o_n, mask=m_n, other=0.0).to(tl.float32)
-    b_C = tl.load(p_C + i_r * s_C_r + i_g * s_C_g + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_A = tl.load(ssd.A + i_h).to(tl.float32)
+    b_D = tl.load(ssd.D + i_h).to(tl.float32)
+    b_x = tl.load(ssd.x + i_r * ssd.s_x_r + i_h * ssd.s_x_h + o_p, mask=m_p, other=0.0).to(tl.float32)
+    i_g = i_h // ssd.heads_per_group
+    b_B = tl.load(ssd.B + i_r * ssd.s_B_r + i_g * ssd.s_B_g + o_n, mask=m_n, other=0.0).to(tl.float32)
+    b_C = tl.load(ssd.C + i_r * ssd.s_C_r + i_g * ssd.s_C_g + o_n, mask=m_n, other=0.0).to(tl.float32)
 
     b_h = tl.exp(b_dt * b_A) * b_h + (b_x * b_dt)[:, None] * b_B[None, :]
-    tl.store(p_slot, b_h.to(p_state.dtype.element_ty), mask=m_pn)
+    tl.store(p_slot, b_h.to(ssd.state.dtype.element_ty), mask=m_pn)
     b_y = tl.sum(b_h * b_C[None, :], axis=1) + b_D * b_x
-    tl.store(p_out + i_r * s_out_r + i_h * s_out_h + o_p, b_y.to(p_out.dtype.element_ty), mask=m_p)
+    tl.store(ssd.out + i_r * ssd.s_out_r + i_h * ssd.s_out_h + o_p, b_y.to(ssd.out.dtype.element_ty), mask=m_p)
+
+
+@triton.jit
+def _ssd_state_update_kernel(
+    ssd, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):  # fmt: skip
+    """Kernel of `ssd_state_update`. Grid (R, H, cdiv(P, BLOCK_P))."""
+    ssd_state_step(
+        ssd,
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.program_id(2),
+        BLOCK_P,
+        BLOCK_N,
+        HAS_INDICES,
+        HAS_INITIAL_FLAGS,
+        HAS_DT_BIAS,
+        DT_SOFTPLUS,
+    )
+
+
+def pick_ssd_block_p(head_dim: int) -> int:
+    """Head channels per SSM program: a [BLOCK_P, N] fp32 state tile."""
+    return min(triton.next_power_of_2(head_dim), 64)
 
 
 def ssd_state_update(
@@ -92,20 +153,11 @@ def ssd_state_update(
     return out
 
 
-def _ssd_state_update(
-    state_cache: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor,
-    state_indices: torch.Tensor | None,
-    has_initial_state: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    dt_softplus: bool,
-    out: torch.Tensor,
-) -> None:
+def ssd_update_args(
+    state_cache, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out
+) -> SSDUpdateArgs:  # fmt: skip
+    """Checks the arguments of `ssd_state_update` and groups them, with their strides and sizes, as the kernels take
+    them (`_ssd_state_update_kernel`'s launcher and vLLM's fused decode)."""
     if x.dim() != 3:
         raise ValueError(f"x: expected [requests, heads, head_dim], got {tuple(x.shape)}")
     num_requests, num_heads, head_dim = x.shape
@@ -136,17 +188,35 @@ def _ssd_state_update(
         )
     if has_initial_state is not None:
         check_flags("has_initial_state", has_initial_state, (num_requests,))
-    if num_requests == 0:  # an empty grid is not a valid launch
-        return
-    block_p = min(triton.next_power_of_2(head_dim), 64)
-    _ssd_state_update_kernel[(num_requests, num_heads, triton.cdiv(head_dim, block_p))](
-        state_cache, x, dt, dt_bias if dt_bias is not None else A, A, B, C, D, out,
+    return SSDUpdateArgs(
+        state_cache, *state_cache.stride(), x, *x.stride()[:2], dt, dt.stride(0),
+        dt_bias if dt_bias is not None else A, A, D, B, *B.stride()[:2], C, *C.stride()[:2], out, *out.stride()[:2],
         state_indices if state_indices is not None else dt, has_initial_state if has_initial_state is not None else dt,
-        *state_cache.stride(), *x.stride()[:2], dt.stride(0), *B.stride()[:2], *C.stride()[:2], *out.stride()[:2],
-        head_dim, state_size, num_heads // num_groups,
-        HAS_INDICES=state_indices is not None, HAS_INITIAL_FLAGS=has_initial_state is not None,
-        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(state_size),
+        num_heads, head_dim, state_size, num_heads // num_groups,
+    )  # fmt: skip
+
+
+def _ssd_state_update(
+    state_cache: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state_indices: torch.Tensor | None,
+    has_initial_state: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    out: torch.Tensor,
+) -> None:
+    ssd = ssd_update_args(state_cache, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
+    if x.shape[0] == 0:  # an empty grid is not a valid launch
+        return
+    block_p = pick_ssd_block_p(ssd.P)
+    _ssd_state_update_kernel[(x.shape[0], ssd.H, triton.cdiv(ssd.P, block_p))](
+        ssd, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(ssd.N), HAS_INDICES=state_indices is not None,
+        HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
     )  # fmt: skip
 
 

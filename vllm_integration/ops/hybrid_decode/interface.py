@@ -1,7 +1,8 @@
-"""`hybrid_decode`: the launch policy, argument checks and launch of the fused decode kernel (kernel.py); same
-signature as `hybrid_decode_ref` (reference.py). Its SSM half is checked and sized by the selective scan's decode
-helpers (`state_update_args`, `pick_state_update_block_e`: modeling/ops/selective_scan/decode.py), shared with the
-standalone state update (`selective_state_update` in modeling/ops/selective_scan/interface.py).
+"""`hybrid_decode` (a Mamba-1 branch) and `hybrid_decode_ssd` (Mamba-2): the launch policy, argument checks and
+launch of the fused decode kernel (kernel.py); same signatures as `hybrid_decode_ref` and `hybrid_decode_ssd_ref`
+(reference.py). The SSM half is checked and sized by its branch's decode helpers, shared with the standalone state
+updates: Mamba-1's `state_update_args` and `pick_state_update_block_e` (modeling/ops/selective_scan/decode.py),
+Mamba-2's `ssd_update_args` and `pick_ssd_block_p` (modeling/ops/ssd/decode.py).
 """
 
 import math
@@ -10,6 +11,7 @@ import torch
 import triton
 
 from modeling.ops.selective_scan.decode import pick_state_update_block_e, state_update_args
+from modeling.ops.ssd.decode import pick_ssd_block_p, ssd_update_args
 from modeling.ops.triton_utils import check_index, check_table, check_tokens, num_sms, window_or_unbounded
 
 from ..paged_attention.interface import check_paged_cache
@@ -62,8 +64,8 @@ def hybrid_decode(
     counters: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode step of a hybrid layer in one launch: window attention over the paged KV cache and the SSM state
-    update. Same contract as `hybrid_decode_ref`:
+    """Decode step of a hybrid layer with a Mamba-1 branch in one launch: window attention over the paged KV cache
+    and the SSM state update. Same contract as `hybrid_decode_ref`:
 
         query [B, H, D] (RoPE applied; head stride free, head dim contiguous); key_cache, value_cache [NB, P, KVH, D]
         with any strides (e.g. vLLM's Triton layout `kv_cache.transpose(1, 2).split(D, dim=-1)`); block_table
@@ -77,6 +79,77 @@ def hybrid_decode(
     buffer of at least B * KVH zeros, left zeroed by the kernel; pass a persistent one to avoid zeroing a fresh one
     (a memset launch) on every call when num_splits > 1. The grid depends only on shapes and host ints: CUDA-graph
     safe. Returns (attn_out, ssm_out)."""
+    if u.dim() != 2 or u.shape[0] != query.shape[0]:
+        raise ValueError(f"u: expected {query.shape[0]} rows (one per decoding request), got {tuple(u.shape)}")
+    ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
+    block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
+    ssm_launch = {"BLOCK_E": block_e, "BLOCK_N": triton.next_power_of_2(ssm.N), "SSD": False, "HAS_INDICES": True,
+                  "HAS_DT_BIAS": True, "DT_SOFTPLUS": True}  # fmt: skip
+    _launch(
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm, triton.cdiv(ssm.E, block_e),
+        ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale, block_keys=block_keys, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, counters=counters,
+    )  # fmt: skip
+    return attn_out, ssm_out
+
+
+def hybrid_decode_ssd(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    attn_out: torch.Tensor,
+    ssm_state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    block_keys: int | None = None,
+    num_splits: int | None = None,
+    block_p: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode step of a hybrid layer with a Mamba-2 branch in one launch: the window attention of `hybrid_decode`
+    (its first eight arguments and tuning, the same) and Mamba-2's state update, whose arguments after the attention's
+    are `ssd_state_update`'s (modeling/ops/ssd/decode.py; x [B, Hs, P], dt [B, Hs] raw, B and C [B, G, N], out
+    [B, Hs, P]), so that binding the attention's leaves a function of the update's signature. Reference:
+    `hybrid_decode_ssd_ref`. block_p: head channels per SSM program. Returns out (attention output in attn_out)."""
+    ssd = ssd_update_args(ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
+    if ssd.x.shape[0] != query.shape[0]:
+        raise ValueError(f"x: expected {query.shape[0]} rows (one per decoding request), got {tuple(x.shape)}")
+    block_p = block_p or pick_ssd_block_p(ssd.P)
+    ssm_launch = {"BLOCK_E": block_p, "BLOCK_N": triton.next_power_of_2(ssd.N), "SSD": True,
+                  "HAS_INDICES": state_indices is not None, "HAS_DT_BIAS": dt_bias is not None,
+                  "DT_SOFTPLUS": dt_softplus}  # fmt: skip
+    _launch(
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssd,
+        ssd.H * triton.cdiv(ssd.P, block_p), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
+        block_keys=block_keys, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, counters=counters,
+    )  # fmt: skip
+    return out
+
+
+def _launch(
+    query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm, num_ssm_blocks, ssm_launch,
+    has_initial_state, *, k_scale, v_scale, block_keys, num_splits, num_warps, num_stages, counters,
+) -> None:  # fmt: skip
+    """Checks the attention's arguments, picks its launch shape and launches the fused kernel with the SSM half
+    `ssm` (checked by its own step's helpers), `num_ssm_blocks` SSM programs per request and its constexprs."""
     num_requests, num_heads, head_dim = query.shape
     check_tokens("query", query, (num_requests, num_heads, head_dim))
     check_paged_cache(key_cache, value_cache, query, k_scale, v_scale)
@@ -84,21 +157,17 @@ def hybrid_decode(
     check_table("block_table", block_table, num_requests, like=query)
     check_index("seq_lens", seq_lens, (num_requests,), like=query)
     window = window_or_unbounded(window)
-    if u.dim() != 2 or u.shape[0] != num_requests:
-        raise ValueError(f"u: expected {num_requests} rows (one per decoding request), got {tuple(u.shape)}")
-    ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
 
     num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
     max_keys = block_table.shape[1] * page_size
     config = _pick_attention_config(num_requests, num_kv_heads, head_dim, min(window, max_keys), query.device)
     block_keys = block_keys or config["block_keys"]
     splits = num_splits or config["num_splits"]
-    block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
     group = num_heads // num_kv_heads
     if not (block_keys >= 16 and block_keys & (block_keys - 1) == 0):
         raise ValueError(f"block_keys: expected a power of two >= 16, got {block_keys}")
     if num_requests == 0:  # an empty grid is not a valid launch
-        return attn_out, ssm_out
+        return
 
     num_pairs = num_requests * num_kv_heads
     if splits > 1:
@@ -131,14 +200,13 @@ def hybrid_decode(
         *(num_kv_heads, group),
     )
     num_attn_programs = num_pairs * splits
-    num_e_blocks = triton.cdiv(ssm.E, block_e)
-    _hybrid_decode_kernel[(num_attn_programs + num_requests * num_e_blocks,)](
+    _hybrid_decode_kernel[(num_attn_programs + num_requests * num_ssm_blocks,)](
         attn,
         ssm,
         k_scale,
         v_scale,
         num_attn_programs,
-        num_e_blocks,
+        num_ssm_blocks,
         splits,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
@@ -146,10 +214,8 @@ def hybrid_decode(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_KEYS=block_keys,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_E=block_e,
-        BLOCK_N=triton.next_power_of_2(ssm.N),
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
+        **ssm_launch,
     )
-    return attn_out, ssm_out

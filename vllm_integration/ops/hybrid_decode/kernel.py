@@ -4,17 +4,20 @@ the exact semantics, in reference.py):
     _hybrid_decode_kernel   ONE launch for a batch of decoding requests: the sliding-window attention over vLLM's
                             paged KV cache AND the SSM state update. Inference only: no autograd.
 
-Its SSM programs run the selective scan's decode step, `ssm_state_update` of modeling/ops/selective_scan/decode.py
-(the body of the standalone `selective_state_update` too); its attention is built from the steps of
+Its SSM programs run the history branch's decode step: Mamba-1's `ssm_state_update` (modeling/ops/selective_scan/
+decode.py, the body of the standalone `selective_state_update` too) or, with SSD set, Mamba-2's `ssd_state_step`
+(modeling/ops/ssd/decode.py, the body of `ssd_state_update`); its attention is built from the steps of
 ../attention_tile.py, as the paged window attention is. The kernel takes each half's tensors, strides and sizes as one
-named tuple (`DecodeAttentionArgs` here, `StateUpdateArgs` from decode.py: Triton passes a named tuple as one argument
-whose fields the kernel reads by name, compiled exactly as separate arguments), so the SSM half reaches
-`ssm_state_update` as one argument.
+named tuple (`DecodeAttentionArgs` here, `StateUpdateArgs` or `SSDUpdateArgs` from the decode modules: Triton passes
+a named tuple as one argument whose fields the kernel reads by name, compiled exactly as separate arguments), so the
+SSM half reaches its step as one argument.
 
 Grid of `_hybrid_decode_kernel` (1-D, sized from shapes and host ints only, so it is CUDA-graph safe):
 
     pid in [0, B * KVH * splits)                attention: request i, kv head h, split s (s fastest, then h, then i)
-    pid in [B * KVH * splits, ... + B * EB)     SSM update: request i, channel block e (EB = cdiv(E, BLOCK_E))
+    pid in [B * KVH * splits, ... + B * SB)     SSM update: request i, its block b of SB: Mamba-1, channel block b
+                                                (SB = cdiv(E, BLOCK_E)); Mamba-2 (SSD), head b // PB, head channel
+                                                block b % PB (SB = H * PB, PB = cdiv(P, BLOCK_E))
 
 The attention programs come first: they are the long ones, and the short SSM programs then fill the SMs while the
 last attention programs drain. An attention program packs the G query heads of its kv head into one [BLOCK_G, D]
@@ -38,6 +41,7 @@ import triton
 import triton.language as tl
 
 from modeling.ops.selective_scan.decode import ssm_state_update
+from modeling.ops.ssd.decode import ssd_state_step
 
 from ..attention_tile import attend_key_tile, merge_partial, query_for_products
 
@@ -82,7 +86,7 @@ def _hybrid_decode_kernel(
     p_k_scale,
     p_v_scale,
     num_attn_programs,
-    num_e_blocks,
+    num_ssm_blocks,
     num_splits,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -93,9 +97,15 @@ def _hybrid_decode_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_INITIAL_FLAGS: tl.constexpr,
+    SSD: tl.constexpr,
+    HAS_INDICES: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr,
 ):
-    """Kernel of `hybrid_decode` (`attn`: a DecodeAttentionArgs, `ssm`: a StateUpdateArgs); grid in the module
-    docstring. BLOCK_KEYS is the attention's key tile, BLOCK_E and BLOCK_N the SSM's channel block and state size.
+    """Kernel of `hybrid_decode` and `hybrid_decode_ssd` (`attn`: a DecodeAttentionArgs, `ssm`: a StateUpdateArgs,
+    or with SSD an SSDUpdateArgs); grid in the module docstring. BLOCK_KEYS is the attention's key tile, BLOCK_E and
+    BLOCK_N the SSM's channel block (Mamba-2: of a head's channels) and state size; HAS_INDICES, HAS_DT_BIAS and
+    DT_SOFTPLUS are `ssd_state_step`'s (Mamba-1's step always has all three).
     p_k_scale, p_v_scale: an fp8 KV cache's scales (one fp32 each; attention_tile.py), None for other caches.
 
     An attention program serves the G query heads of one kv head of one request against its split's tiles of the
@@ -105,7 +115,15 @@ def _hybrid_decode_kernel(
     pid = tl.program_id(0)
     if pid >= num_attn_programs:  # the SSM programs, after the attention ones
         i_prog = pid - num_attn_programs
-        ssm_state_update(ssm, i_prog // num_e_blocks, i_prog % num_e_blocks, BLOCK_E, BLOCK_N, HAS_INITIAL_FLAGS)
+        i_req, i_block = i_prog // num_ssm_blocks, i_prog % num_ssm_blocks
+        if SSD:
+            head_blocks = tl.cdiv(ssm.P, BLOCK_E)
+            ssd_state_step(
+                ssm, i_req, i_block // head_blocks, i_block % head_blocks, BLOCK_E, BLOCK_N, HAS_INDICES,
+                HAS_INITIAL_FLAGS, HAS_DT_BIAS, DT_SOFTPLUS,
+            )  # fmt: skip
+        else:
+            ssm_state_update(ssm, i_req, i_block, BLOCK_E, BLOCK_N, HAS_INITIAL_FLAGS)
         return
 
     i_split = pid % num_splits

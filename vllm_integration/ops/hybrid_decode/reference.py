@@ -1,7 +1,8 @@
-"""Decode step of the hybrid layer: plain-PyTorch references of the fused decode kernel (`hybrid_decode` in
-interface.py, same signature) and of its attention half (`window_attention_decode_ref`); its SSM half is the selective
-scan's decode step, `selective_state_update_ref` (modeling/ops/selective_scan/reference.py). Tests in
-tests/vllm_ops/test_hybrid_decode.py.
+"""Decode step of the hybrid layer: plain-PyTorch references of the fused decode kernel (`hybrid_decode` and
+`hybrid_decode_ssd` in interface.py, same signatures) and of its attention half (`window_attention_decode_ref`); its
+SSM half is the history branch's decode step: Mamba-1's `selective_state_update_ref`
+(modeling/ops/selective_scan/reference.py), Mamba-2's `ssd_state_update_ref` (modeling/ops/ssd/reference.py). Tests
+in tests/vllm_ops/test_hybrid_decode.py.
 
 Glossary of dimension letters (as in ../paged_attention/reference.py):
     B    decoding requests in the batch (one new token each). `B`, `C` and `D` the tensors are the SSM's projections
@@ -30,6 +31,7 @@ Two jobs per decoding request i, both reading one cache and writing one output:
 import torch
 
 from modeling.ops.selective_scan import selective_state_update_ref
+from modeling.ops.ssd import ssd_state_update_ref
 
 from ..paged_attention.reference import paged_window_attention_ref
 
@@ -105,3 +107,40 @@ def hybrid_decode_ref(
         ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state=has_initial_state
     )
     return attn_out, ssm_out
+
+
+def hybrid_decode_ssd_ref(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window: int | None,
+    attn_out: torch.Tensor,
+    ssm_state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    state_indices: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    *,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    out: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Both halves of the decode step of a hybrid layer with a Mamba-2 branch: `window_attention_decode_ref` then
+    `ssd_state_update_ref` (see them for the arguments). Reference of `hybrid_decode_ssd` (interface.py, same
+    signature), which does both in one launch. Returns out [B, Hs, P] (the attention's in attn_out)."""
+    window_attention_decode_ref(
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, k_scale=k_scale, v_scale=v_scale
+    )
+    return ssd_state_update_ref(
+        ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias=dt_bias, dt_softplus=dt_softplus,
+        out=out,
+    )  # fmt: skip
