@@ -695,6 +695,85 @@ def bench_decode(args) -> list[Row]:
                         median_ms(vllm_separate), bytes=total, rel_err=rel_err(attn_out, ref_attn)))  # fmt: skip
     for row in rows[1:]:
         row.note = f"fused is {row.ms / rows[0].ms:.2f}x faster"
+    return rows + decode_mamba2_rows(args, shape, query, key_cache, value_cache, block_table, seq_lens, kv_bytes)
+
+
+def decode_mamba2_rows(args, shape, query, key_cache, value_cache, block_table, seq_lens, kv_bytes) -> list[Row]:
+    """The same decode step with a Mamba-2 branch of the same width (E / 64 heads of 64 channels, one group, N 128;
+    fewer channels a head at smoke sizes):
+    the fused kernel (`hybrid_decode_ssd`, one launch) against the attention and the state update in two launches
+    (our paged window attention, then our `ssd_state_update`) and, where vLLM is importable, against what the
+    branch ran before the fusion (the paged attention, the first-token slots zeroed, vLLM's `selective_state_update`
+    with heads). Every request continues its slot (has_initial_state all True)."""
+    from modeling.ops.ssd.decode import ssd_state_update
+    from vllm_integration.ops import hybrid_decode_ssd_ref
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode_ssd
+    from vllm_integration.ops.paged_attention.interface import paged_window_attention
+    from vllm_integration.ops.zero_states.interface import zero_new_states_
+
+    batch, window, scale = query.shape[0], args.window, query.shape[-1] ** -0.5
+    head_dim, state = min(64, args.serve_channels), 128
+    heads = args.serve_channels // head_dim
+    num_slots = 2 * batch + 1
+    slots = (torch.randperm(num_slots - 1, device=DEVICE)[:batch] + 1).to(torch.int32)
+    continues = torch.ones(batch, dtype=torch.bool, device=DEVICE)
+    ssm_state = randn(num_slots, heads, head_dim, state, dtype=torch.float32, scale=0.1)
+    x, dt = randn(batch, heads, head_dim), randn(batch, heads, scale=0.5)
+    B, C = randn(batch, 1, state), randn(batch, 1, state)
+    A, D_skip = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5)), randn(heads, dtype=torch.float32)
+    update = {"dt_bias": randn(heads, dtype=torch.float32, scale=0.5) - 3, "dt_softplus": True}
+    attn_out, out = torch.full_like(query, float("nan")), torch.full_like(x, float("nan"))
+    attention = (query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out)
+    ssm = (A, B, C, D_skip, slots, continues)
+
+    def fused(state_cache):
+        hybrid_decode_ssd(*attention, state_cache, x, dt, *ssm, **update, out=out)
+
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)  # one query each
+
+    def attention_alone():
+        paged_window_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale, window,
+                               out=attn_out)  # fmt: skip
+
+    def two_launches(state_cache):
+        attention_alone()
+        ssd_state_update(state_cache, x, dt, *ssm, **update, out=out)
+
+    state_cache = ssm_state.clone()
+    fused(state_cache)
+    ref_attn, ref_out, ref_state = torch.empty_like(attn_out), torch.empty_like(out), ssm_state.clone()
+    hybrid_decode_ssd_ref(*attention[:-1], ref_attn, ref_state, x, dt, *ssm, **update, out=ref_out)
+    errs = {
+        "attn": rel_err(attn_out, ref_attn),
+        "ssm": rel_err(out, ref_out),
+        "state": rel_err(state_cache, ref_state),
+    }
+    total = kv_bytes + batch * heads * head_dim * state * 4 * 2 + 2 * query.numel() * 2
+    ssm_shape = f"{shape.split(', E=')[0]}, Mamba-2 {heads}x{head_dim} N={state}"
+    work = ssm_state.clone()
+    rows = [
+        Row("decode", "Mamba-2: Triton fused (1 launch)", ssm_shape, median_ms(lambda: fused(work)), bytes=total,
+            rel_err=max(errs.values()), extra=errs),
+        Row("decode", "Mamba-2: paged attention + ssd_state_update (2 launches)", ssm_shape,
+            median_ms(lambda: two_launches(work)), bytes=total),
+    ]  # fmt: skip
+    if (vllm := vllm_ops()) is not None:
+        dt_heads = dt[..., None].expand(-1, -1, head_dim)
+        A_heads = A[:, None, None].expand(-1, head_dim, state)
+        D_heads, bias_heads = D_skip[:, None].expand(-1, head_dim), update["dt_bias"][:, None].expand(-1, head_dim)
+
+        def before_fusion():
+            attention_alone()
+            zero_new_states_(work, slots, continues, 0)
+            vllm["selective_state_update"](
+                work, x, dt_heads, A_heads, B, C, D_heads, bias_heads, dt_softplus=True, state_batch_indices=slots,
+                out=out,
+            )  # fmt: skip
+
+        rows.append(Row("decode", "Mamba-2 before: paged attention + zero slots + vLLM selective_state_update",
+                        ssm_shape, median_ms(before_fusion), bytes=total))  # fmt: skip
+    for row in rows[1:]:
+        row.note = f"fused is {row.ms / rows[0].ms:.2f}x faster"
     return rows
 
 

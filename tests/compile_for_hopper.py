@@ -88,10 +88,10 @@ def serving_ssm_kernels():
 
 
 def serving_attention_kernels():
-    """The paged window attention (a mixed batch) and the fused decode (split along the keys), bf16 queries over a
-    bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
+    """The paged window attention (a mixed batch) and the fused decodes of both branches (split along the keys), bf16
+    queries over a bf16 cache and over vLLM's fp8 (e4m3) cache with its scales."""
     from tools.paged_cache import paged_kv_cache
-    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode
+    from vllm_integration.ops.hybrid_decode.interface import hybrid_decode, hybrid_decode_ssd
     from vllm_integration.ops.paged_attention.interface import paged_window_attention
 
     g = torch.Generator().manual_seed(0)
@@ -122,6 +122,16 @@ def serving_attention_kernels():
             torch.randn(batch, channels, dtype=torch.bfloat16), -torch.rand(channels, state), dbc[:, 4 : 4 + state],
             dbc[:, 4 + state :], torch.randn(channels), xz[:, channels:], torch.randn(channels),
             torch.tensor([2, 0, -1], dtype=torch.int32), torch.empty(batch, channels, dtype=torch.bfloat16),
+            num_splits=2, **fp8,
+        )  # fmt: skip
+        # With a Mamba-2 branch: 4 heads of 32 channels in 2 groups, N 16, x, B and C views of the conv's output.
+        xbc = torch.randn(batch, 4 * 32 + 2 * 2 * state, dtype=torch.bfloat16)
+        x, B, C = xbc[:, :128].unflatten(-1, (4, 32)), *xbc[:, 128:].unflatten(-1, (2, 2, state)).unbind(1)
+        hybrid_decode_ssd(
+            query, key_cache, value_cache, table, torch.tensor([50, 9, 30], dtype=torch.int32), head_dim**-0.5,
+            window, torch.empty_like(query), torch.randn(5, 4, 32, state), x,
+            torch.randn(batch, 4, dtype=torch.bfloat16), -torch.rand(4), B, C, torch.randn(4), torch.tensor([2, 0, 4], dtype=torch.int32),
+            torch.tensor([True, False, True]), dt_bias=torch.randn(4), dt_softplus=True, out=torch.empty_like(x),
             num_splits=2, **fp8,
         )  # fmt: skip
 

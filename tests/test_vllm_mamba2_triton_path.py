@@ -1,5 +1,6 @@
 """The CUDA serving path of the Mamba-2 branch (`HybridTritonAttentionImpl.attend_and_run_branch` with
-`Mamba2Branch.triton_ops`: vLLM's own Mamba-2 kernels, the decodes' window attention on its own) against the
+`Mamba2Branch.triton_ops`: vLLM's own Mamba-2 kernels, the decodes' window attention and state update in one launch of
+`hybrid_decode_ssd`) against the
 reference path (paged attention reference + `Mamba2Branch.forward` on the PyTorch references), on the batches of
 tests/test_vllm_triton_path.py: a mixed step (decodes with a new one-token prompt among them, a chunked prefill
 continuing its slots and a fresh prefill) and a uniform-decode step, the metadata from the real builders. On CPU
@@ -158,7 +159,8 @@ def test_vllm_kernels_path_matches_the_reference_path(vllm_mamba2_kernels, branc
     assert ssm_metadata.has_initial_states_d.tolist() == [True, False, True]
     impl = HybridTritonAttentionImpl(H, D, D**-0.5, KVH, alibi_slopes=None, sliding_window=W, kv_cache_dtype="auto")
     kv_cache = torch.randn(NUM_BLOCKS, KVH, BLOCK, 2 * D, generator=g).to(DEVICE)  # vLLM's Triton layout
-    layer = SimpleNamespace(ssm=branch, kv_cache=kv_cache, head_size=D, window=W)
+    split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)  # the fused decode's, as the layer holds them
+    layer = SimpleNamespace(ssm=branch, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
     in_proj_output = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config, 1)), generator=g).to(DEVICE)
     # Random slots, the first token's stale one included (vLLM's conv state is [slots, K-1, C] unless dim-first).

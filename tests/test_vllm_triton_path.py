@@ -176,8 +176,8 @@ def test_triton_serving_path_matches_the_reference_path(branch, metadata_builder
     scan_lengths = []
     triton_ops = Mamba1Branch.triton_ops
 
-    def counting_triton_ops(fused_decode_attention):
-        ops = triton_ops(fused_decode_attention)
+    def counting_triton_ops(metadata, with_decode_attention):
+        ops = triton_ops(metadata, with_decode_attention)
 
         def scan_varlen(*args, **kwargs):
             scan_lengths.append(kwargs.get("max_seq_len"))

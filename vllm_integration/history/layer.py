@@ -22,11 +22,6 @@ class ServedHistoryBranch(MambaBase, nn.Module):
     """The base of each kind's layer (history/__init__.py lists what a kind adds): registration, the state's dtypes,
     copy functions and views, and the metadata backend."""
 
-    # Whether `triton_ops` takes the decodes' window attention to fuse into its decode step (Mamba-1's
-    # `triton_ops(fused_decode_attention)`); otherwise it takes the step's metadata and the attention backend runs the
-    # decodes' attention on its own (Mamba-2's `triton_ops(metadata)`).
-    fuses_decode_attention = False
-
     def __init__(self, config: HybridConfig, cache_config: CacheConfig | None, prefix: str):
         super().__init__()
         self.tp_size = get_tensor_model_parallel_world_size()

@@ -64,7 +64,6 @@ class Mamba1Branch(ServedHistoryBranch):
     """
 
     reference_ops = REFERENCE_OPS
-    fuses_decode_attention = True
 
     def __init__(self, config: HybridConfig, cache_config: CacheConfig | None = None, prefix: str = ""):
         super().__init__(config, cache_config, prefix)
@@ -109,16 +108,19 @@ class Mamba1Branch(ServedHistoryBranch):
         )
 
     @staticmethod
-    def triton_ops(fused_decode_attention: Callable) -> Mamba1Ops:
+    def triton_ops(metadata: HybridSSMMetadata, with_decode_attention: Callable) -> Mamba1Ops:
         """The Triton kernels (CUDA; imported on first use so that CPU-only installs never build them), the decode
-        step fused with the decodes' window attention: `fused_decode_attention` is the attention backend's
-        `hybrid_decode` with its attention arguments bound, and takes the state update's (one launch for both)."""
+        step fused with the decodes' window attention: `with_decode_attention` binds the attention backend's
+        arguments to `hybrid_decode`, which then takes the state update's (one launch for both). The metadata is not
+        needed: the kernels size their grids from the tensors."""
         from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
         from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd
 
+        from ..ops.hybrid_decode.interface import hybrid_decode
+
         return Mamba1Ops(
             conv_update=causal_conv1d_update,
-            decode_step=fused_decode_attention,
+            decode_step=with_decode_attention(hybrid_decode),
             conv_varlen=causal_conv1d_varlen_fwd,
             scan_varlen=selective_scan_varlen_fwd,
         )

@@ -3,10 +3,10 @@ Mamba-2 state layout (conv state `[E + 2GN, K-1]` and ssm state `[Hs, P, N]` per
 history/metadata.py (the hybrid's, plus the prefills' chunks of the chunked scan: `HybridMamba2MetadataBuilder`).
 
 The branch over a packed batch (`Mamba2Branch.forward`) runs on either of two op sets with the references'
-signatures (`Mamba2Ops`): vLLM's own Mamba-2 kernels on CUDA (`Mamba2Branch.triton_ops`, mamba2_kernels.py), the
-PyTorch references elsewhere (modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state slots,
-the grouped gated RMSNorm). Unlike Mamba-1's, its decode step is not fused with the decodes' window attention (the
-attention backend runs that on its own).
+signatures (`Mamba2Ops`): on CUDA (`Mamba2Branch.triton_ops`) vLLM's own Mamba-2 kernels (mamba2_kernels.py) and, for
+the decode step, our fused kernel that runs the decodes' window attention and their state update in one launch
+(`hybrid_decode_ssd`, vllm_integration/ops/hybrid_decode), as Mamba-1's; the PyTorch references elsewhere
+(modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state slots, the grouped gated RMSNorm).
 
 Under tensor parallelism the branch is sharded as vLLM's `MambaMixer2` shards it: each rank holds Hs/tp whole heads
 (their channels of z, x, the conv, the norm and out_proj's input, and their dt_bias, A and D), and the groups of B
@@ -199,15 +199,18 @@ class Mamba2Branch(ServedHistoryBranch):
         )
 
     @staticmethod
-    def triton_ops(metadata: HybridSSMMetadata) -> Mamba2Ops:
+    def triton_ops(metadata: HybridSSMMetadata, with_decode_attention: Callable) -> Mamba2Ops:
         """vLLM's Mamba-2 kernels (CUDA; mamba2_kernels.py, imported on first use so that CPU-only installs never
-        build them) with this step's metadata bound: the prefill conv's program tables and the scan's chunks."""
+        build them) with this step's metadata bound (the prefill conv's program tables and the scan's chunks), and the
+        decode step fused with the decodes' window attention: `with_decode_attention` binds the attention backend's
+        arguments to `hybrid_decode_ssd`, which then takes the state update's (one launch for both)."""
+        from ..ops.hybrid_decode.interface import hybrid_decode_ssd
         from . import mamba2_kernels as kernels
 
         return Mamba2Ops(
             conv_update=kernels.conv_update,
             conv_varlen=functools.partial(kernels.conv_varlen, metadata=metadata),
-            decode_step=kernels.decode_step,
+            decode_step=with_decode_attention(hybrid_decode_ssd),
             scan_varlen=functools.partial(kernels.scan_varlen, metadata=metadata),
             gated_norm=kernels.gated_norm,
         )
@@ -243,8 +246,8 @@ class Mamba2Branch(ServedHistoryBranch):
         in_proj_output: [T, E + (E + 2GN) + Hs] (z | xBC | dt), decode tokens first, then the prefill sequences.
         output: [T, E] written with the gated norm's output (before out_proj); rows past both are not.
         (E, G and Hs here: this rank's shares, the attributes.)
-        ops: the ops to run (`reference_ops`, or `triton_ops(metadata)`). max_prefill_len: unused (Mamba-1's scan
-        sizes its grid from it).
+        ops: the ops to run (`reference_ops`, or `triton_ops(...)` with the decodes' attention fused in).
+        max_prefill_len: unused (Mamba-1's scan sizes its grid from it).
         """
         z, xBC, dt = in_proj_output.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
         decode, prefill = token_split(metadata)

@@ -1,11 +1,11 @@
-"""The Mamba-2 branch's CUDA ops: vLLM's own Mamba-2 kernels (vllm/model_executor/layers/mamba/ops, what its
-`MambaMixer2` runs) behind the signatures of the references `Mamba2Branch.forward` runs (modeling/ops), for
-`Mamba2Branch.triton_ops`. This module imports the Triton kernels: import it where they run (CUDA, or Triton's
-interpreter with vLLM's Triton turned on: tests/test_vllm_mamba2_triton_path.py).
+"""The Mamba-2 branch's CUDA ops but its decode step (fused with the window attention: `hybrid_decode_ssd`): vLLM's
+own Mamba-2 kernels (vllm/model_executor/layers/mamba/ops, what its `MambaMixer2` runs) behind the signatures of the
+references `Mamba2Branch.forward` runs (modeling/ops), for `Mamba2Branch.triton_ops`. This module imports the Triton
+kernels: import it where they run (CUDA, or Triton's interpreter with vLLM's Triton turned on:
+tests/test_vllm_mamba2_triton_path.py).
 
     conv_update   `causal_conv1d_update` with state indices
     conv_varlen   `causal_conv1d_fn`, its program tables from the step's metadata (built on the host: no device sync)
-    decode_step   `selective_state_update` with heads (the Triton kernel of vLLM's default SSU backend)
     scan_varlen   `mamba_chunk_scan_combined_varlen`, its chunks from the step's metadata (HybridMamba2MetadataBuilder)
     gated_norm    `rms_norm_gated` with groups of `group_size` channels, gated before the norm (norm_before_gate
                   False): rmsnorm(y * silu(z)) * weight, the reference's order (docs/DESIGN.md)
@@ -13,8 +13,8 @@ interpreter with vLLM's Triton turned on: tests/test_vllm_mamba2_triton_path.py)
 What the adapters add to the kernels, as `MambaMixer2` does around them or where the hybrid differs:
 - dt's bias and softplus run inside the kernels (dt_bias, dt_softplus), as in the references given them;
 - a first token among the decode rows (has_initial_state False: a one-token prompt, history/metadata.py) starts from
-  zero: vLLM's decode kernels always continue the slot (vLLM keeps such rows prefills), so its conv and ssm slots
-  are zeroed first (`zero_new_states_`: a launch that writes only those slots);
+  zero: vLLM's conv update always continues the slot (vLLM keeps such rows prefills), so its conv slot is zeroed
+  first (`zero_new_states_`: a launch that writes only those slots; the fused decode reads the flags itself);
 - the prefills' initial states are gathered from their slots (zeros for fresh prefills) and their final states
   written back;
 - the results land in the caller's buffers: vLLM's decode conv writes over its input, its prefill conv and the norm
@@ -26,7 +26,6 @@ read) and leave the block alone.
 import torch
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
-from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
 from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
@@ -54,23 +53,6 @@ def conv_varlen(
         activation=activation, metadata=metadata,
     )  # fmt: skip
     return out.copy_(y.T)
-
-
-def decode_step(
-    ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state=None, *, dt_bias, dt_softplus, out
-):  # fmt: skip
-    """`ssd_state_update_ref`'s contract (x [R, H, P], dt [R, H] raw, B and C [R, G, N])."""
-    if has_initial_state is not None:
-        zero_new_states_(ssm_state, state_indices, has_initial_state, NULL_BLOCK_ID)
-    head_dim, state_size = ssm_state.shape[2:]
-    # The kernel takes dt, its bias, A and D per channel of a head: one per head here, broadcast with stride 0 (its
-    # tied path, a scalar decay per head, as MambaMixer2 passes them).
-    selective_state_update(
-        ssm_state, x, dt[..., None].expand(-1, -1, head_dim), A[:, None, None].expand(-1, head_dim, state_size),
-        B, C, D[:, None].expand(-1, head_dim), dt_bias[:, None].expand(-1, head_dim), dt_softplus=dt_softplus,
-        state_batch_indices=state_indices, out=out,
-    )  # fmt: skip
-    return out
 
 
 def scan_varlen(

@@ -5,10 +5,10 @@ functions; import it where the kernels run):
 
     paged_attention   window attention over the paged KV cache for packed prefills and chunked prefills (rows of
                       any query length; what vLLM's prefills run)
-    hybrid_decode     the decode step: the window attention and the SSM state update fused in one launch
-                      (`hybrid_decode`, what vLLM's decodes run)
+    hybrid_decode     the decode step: the window attention and the history branch's state update fused in one
+                      launch (`hybrid_decode`, `hybrid_decode_ssd`: what vLLM's decodes run)
     zero_states       the state slots of requests' first tokens among the decode rows zeroed (`zero_new_states_`,
-                      what the Mamba-2 branch runs before vLLM's decode kernels, which always continue a slot)
+                      what the Mamba-2 branch runs before vLLM's conv update, which always continues a slot)
     attention_tile.py the window-attention steps both attention kernels are built from: the online-softmax step
                       over a tile of paged keys, and the merge of split-K partials (the fused decode's)
 

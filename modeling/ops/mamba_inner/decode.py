@@ -172,7 +172,8 @@ def launch_mamba_inner_step(
     mask = padding_mask if padding_mask is not None else out  # not read without HAS_MASK
     _conv_x_proj_kernel[(num_parts, num_rows)](
         xz, conv_weight, conv_bias, conv_state, mask, out, x_proj_weight, parts,
-        num_channels, x_proj_rows, num_rows, mask.stride(0), xz.stride(0), conv_weight.stride(0), conv_weight.stride(2),
+        num_channels, x_proj_rows, num_rows, mask.stride(0), xz.stride(0),
+        conv_weight.stride(0), conv_weight.stride(2),
         *conv_state.stride(), *x_proj_weight.stride(),
         K=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
         HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e1, BLOCK_J=blocks.j,

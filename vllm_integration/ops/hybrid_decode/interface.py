@@ -86,9 +86,9 @@ def hybrid_decode(
     ssm_launch = {"BLOCK_E": block_e, "BLOCK_N": triton.next_power_of_2(ssm.N), "SSD": False, "HAS_INDICES": True,
                   "HAS_DT_BIAS": True, "DT_SOFTPLUS": True}  # fmt: skip
     _launch(
-        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm, triton.cdiv(ssm.E, block_e),
-        ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale, block_keys=block_keys, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, counters=counters,
+        query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm,
+        triton.cdiv(ssm.E, block_e), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
+        block_keys=block_keys, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, counters=counters,
     )  # fmt: skip
     return attn_out, ssm_out
 

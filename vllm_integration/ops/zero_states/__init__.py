@@ -1,6 +1,7 @@
 """Zeroing the state slots of requests' first tokens among the decode rows (`zero_new_states_`), what the Mamba-2
-branch runs before vLLM's decode kernels: those kernels continue every row from its slot, while the hybrid's state
-metadata serves a one-token prompt as a decode row flagged to start from zero (history/metadata.py).
+branch runs before vLLM's conv update (its conv state slots): that kernel continues every row from its slot, while
+the hybrid's state metadata serves a one-token prompt as a decode row flagged to start from zero
+(history/metadata.py). The fused decode reads the flags itself, so the ssm state needs no zeroing.
 
     reference.py   `zero_new_states_ref`, plain PyTorch, the ground truth (exported here; no Triton needed)
     kernel.py      the kernel: one program per (row, block of the slot), writing only where the flag is False
