@@ -325,6 +325,68 @@ def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
         assert torch.equal(counters, torch.zeros_like(counters))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_hybrid_decode_ssd_replays_from_a_cuda_graph(kernels):
+    """The Mamba-2 fused decode in vLLM's full decode graph, as `test_hybrid_decode_replays_from_a_cuda_graph` checks
+    Mamba-1's: captured once for 4 rows (one padding row on the null block's slot 0), replayed after new tokens,
+    slots, context lengths and first-token flags were written into the same buffers; each replay equals the
+    reference run eagerly on the same inputs."""
+    g = torch.Generator().manual_seed(22)
+    window, scale, heads, groups, head_dim, state = 24, 16**-0.5, 4, 2, 12, 8
+    lengths = [37, 1, 0, 64]
+    key_cache, value_cache, block_table = paged_kv_cache(lengths, window, 16, 2, 16, torch.float32, "triton", g)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE)
+
+    query, x, dt = rand(4, 4, 16), rand(4, heads, head_dim), rand(4, heads)
+    B, C = rand(4, groups, state), rand(4, groups, state)
+    A, D, dt_bias = -torch.exp(rand(heads) * 0.5), rand(heads), rand(heads) - 2
+    ssm_state = rand(9, heads, head_dim, state)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    state_indices = torch.tensor([7, 2, 0, 5], dtype=torch.int32, device=DEVICE)
+    has_initial_state = torch.tensor([True, False, False, True], device=DEVICE)
+    attn_out, out = torch.empty_like(query), torch.empty_like(x)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    update = {"dt_bias": dt_bias, "dt_softplus": True}
+
+    def step():
+        kernels.hybrid_decode_ssd(
+            *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out),
+            *(ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state),
+            **update, out=out, num_splits=2, counters=counters,
+        )  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles the kernel outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    for replay in range(2):
+        if replay:  # the next step: rows 0 and 3 swap, new tokens, the one-token prompt now continues
+            for buffer in (block_table, seq_lens, state_indices):
+                buffer.copy_(buffer[[3, 1, 2, 0]])
+            has_initial_state.copy_(torch.tensor([True, True, False, False], device=DEVICE))
+            for buffer in (query, x, dt, B, C):
+                buffer.copy_(torch.randn(buffer.shape, generator=g).to(DEVICE))
+        state_ref, attn_ref, out_ref = ssm_state.clone(), torch.empty_like(query), torch.empty_like(x)
+        hybrid_decode_ssd_ref(
+            *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_ref),
+            *(state_ref, x, dt, A, B, C, D, state_indices, has_initial_state),
+            **update, out=out_ref,
+        )  # fmt: skip
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ssm_state, state_ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(counters, torch.zeros_like(counters))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts compilations (the interpreter compiles nothing)")
 def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(kernels):
     """Serving hands the fused decode every batch size, and the batch size picks the split count: one compilation
