@@ -59,7 +59,7 @@ class Mamba2Ops(NamedTuple):
 
     conv_update: Callable  # one new token per request, shifted into its conv state slot
     conv_varlen: Callable  # packed prefills, each continuing from (or starting) its conv state slot
-    decode_step: Callable  # one scan step per request, from and into its ssm state slot
+    decode_step: Callable  # one scan step per request, from/into its ssm state slot (CUDA: fused with the attention)
     scan_varlen: Callable  # packed prefills, each continuing from (or starting) its ssm state slot
     gated_norm: Callable  # rmsnorm(y * silu(z)) * weight over groups of E/G channels
 

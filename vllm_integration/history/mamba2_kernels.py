@@ -19,8 +19,8 @@ What the adapters add to the kernels, as `MambaMixer2` does around them or where
   written back;
 - the results land in the caller's buffers: vLLM's decode conv writes over its input, its prefill conv and the norm
   return new tensors.
-Padding rows of a replayed decode graph sit on vLLM's null block: its kernels skip them (their outputs are not
-read) and leave the block alone.
+Padding rows of a replayed decode graph sit on vLLM's null block: its conv update skips them (their outputs are not
+read); the fused decode computes them from zero and writes only the null block, which nothing reads (as Mamba-1's).
 """
 
 import torch

@@ -121,9 +121,11 @@ def _ssd_state_update_kernel(
     )
 
 
-def pick_ssd_block_p(head_dim: int) -> int:
-    """Head channels per SSM program: a [BLOCK_P, N] fp32 state tile."""
-    return min(triton.next_power_of_2(head_dim), 64)
+def pick_ssd_block_p(head_dim: int, state_size: int) -> int:
+    """Head channels per SSM program: a [BLOCK_P, N] fp32 state tile of about 2048 values (16 per thread at 4 warps,
+    as Mamba-1's `pick_state_update_block_e`; 16 channels at N 128), which keeps the fused decode's register count,
+    the larger of its two halves', at its attention's."""
+    return min(triton.next_power_of_2(head_dim), max(1, 2048 // triton.next_power_of_2(state_size)))
 
 
 def ssd_state_update(
@@ -213,7 +215,7 @@ def _ssd_state_update(
     ssd = ssd_update_args(state_cache, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
     if x.shape[0] == 0:  # an empty grid is not a valid launch
         return
-    block_p = pick_ssd_block_p(ssd.P)
+    block_p = pick_ssd_block_p(ssd.P, ssd.N)
     _ssd_state_update_kernel[(x.shape[0], ssd.H, triton.cdiv(ssd.P, block_p))](
         ssd, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(ssd.N), HAS_INDICES=state_indices is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,

@@ -132,7 +132,7 @@ def hybrid_decode_ssd(
     ssd = ssd_update_args(ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
     if ssd.x.shape[0] != query.shape[0]:
         raise ValueError(f"x: expected {query.shape[0]} rows (one per decoding request), got {tuple(x.shape)}")
-    block_p = block_p or pick_ssd_block_p(ssd.P)
+    block_p = block_p or pick_ssd_block_p(ssd.P, ssd.N)
     ssm_launch = {"BLOCK_E": block_p, "BLOCK_N": triton.next_power_of_2(ssd.N), "SSD": True,
                   "HAS_INDICES": state_indices is not None, "HAS_DT_BIAS": dt_bias is not None,
                   "DT_SOFTPLUS": dt_softplus}  # fmt: skip

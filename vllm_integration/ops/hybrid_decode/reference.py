@@ -10,8 +10,9 @@ Glossary of dimension letters (as in ../paged_attention/reference.py):
     H    query heads          KVH  key/value heads (H % KVH == 0)      G  H / KVH query heads per kv head
     D    head dim             W    sliding window                     P  tokens per KV cache block (page size)
     NB   physical KV blocks   MB   logical blocks per request (block table width)
-    E    SSM channels         N    state size per channel
-The SSM state cache [slots, E, N] has a row per running request: `slots` is a count of its own, not B.
+    E    SSM channels         N    state size per channel     Hs, P  Mamba-2's heads and channels per head (E = Hs P)
+The SSM state cache ([slots, E, N]; Mamba-2's [slots, Hs, P, N]) has a row per running request: `slots` is a count
+of its own, not B.
 
 Two jobs per decoding request i, both reading one cache and writing one output:
     attention    query i sits at position seq_lens[i] - 1 and attends to the keys s with
@@ -19,13 +20,14 @@ Two jobs per decoding request i, both reading one cache and writing one output:
                  when the window is None), looked up through the block table: key s of request i lives at
                  key_cache[block_table[i, s // P], s % P]. A request with seq_lens[i] == 0 (CUDA-graph padding) gets
                  zeros.
-    SSM update   (`selective_state_update_ref`) one step of docs/DESIGN.md's recurrence from the request's state slot,
-                 in fp32, written back in place:
-                 dt = softplus(dt_raw + dt_bias); state = exp(dt * A) * state + dt * u * B; y = state @ C + D * u;
-                 out = y * silu(z). A slot index of -1 (padding) leaves every slot alone and writes zeros. A row
-                 whose has_initial_state flag is False starts from a zero state (a request's first token). (vLLM
-                 pads a replayed decode graph with its null block, slot 0, and a False flag instead: such rows
-                 compute from zero and write only the null block.)
+    SSM update   one step of docs/DESIGN.md's recurrence from the request's state slot, in fp32, written back in
+                 place. Mamba-1 (`selective_state_update_ref`): dt = softplus(dt_raw + dt_bias); state =
+                 exp(dt * A) * state + dt * u * B; y = state @ C + D * u; out = y * silu(z); a slot index of -1
+                 (padding) leaves every slot alone and writes zeros. Mamba-2 (`ssd_state_update_ref`): the same per
+                 head, with one dt, A and D per head and B, C of the head's group; no gate (the branch's norm
+                 follows); slots are never -1. A row whose has_initial_state flag is False starts from a zero state
+                 (a request's first token). (vLLM pads a replayed decode graph with its null block, slot 0, and a
+                 False flag: such rows compute from zero and write only the null block, which nothing reads.)
 """
 
 import torch
