@@ -32,6 +32,19 @@ def kernel_and_reference_models(make_model, dtype=torch.float32, **overrides):
     return kernel_model, reference_model
 
 
+def kernels_counting_calls(monkeypatch, *names: str) -> list[str]:
+    """Hands every SSM branch the Triton kernels (interpreted on CPU), the ops `names` of them recording their calls
+    in the list returned, in call order."""
+    calls = []
+
+    def counted(name, op):
+        return lambda *args, **kwargs: calls.append(name) or op(*args, **kwargs)
+
+    counting = mamba1.KERNEL_OPS._replace(**{name: counted(name, getattr(mamba1.KERNEL_OPS, name)) for name in names})
+    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: counting)
+    return calls
+
+
 def test_model_picks_kernels_for_cuda_tensors_unless_told_not_to(make_model):
     references = mamba1.REFERENCE_OPS
     ssm = make_model().model.layers[0].self_attn.ssm
@@ -68,17 +81,7 @@ def test_the_fused_branch_and_the_module_path_give_the_same_output_and_gradients
     """Without a cache the branch runs as one autograd node (`mamba_inner_fn`) when conv1d, x_proj and dt_proj are
     plain modules; a hook on one of them (as an adapter or a quantised layer would be) sends it through the modules
     one by one. Both paths compute the same function, over padded rows too."""
-    calls = []
-
-    def counted(name, op):
-        return lambda *args, **kwargs: calls.append(name) or op(*args, **kwargs)
-
-    kernels = mamba1.KERNEL_OPS
-    counting = kernels._replace(
-        mamba_inner=counted("mamba_inner", kernels.mamba_inner),
-        selective_scan=counted("selective_scan", kernels.selective_scan),
-    )
-    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: counting)  # the kernels, on CPU too
+    calls = kernels_counting_calls(monkeypatch, "mamba_inner", "selective_scan")
     model = make_model().to(DEVICE, dtype).train()
     ssm = model.model.layers[0].self_attn.ssm
     generator = torch.Generator().manual_seed(3)
@@ -143,17 +146,7 @@ def test_the_fused_decode_step_and_the_module_path_give_the_same_steps(make_mode
     plain modules, and through the modules one by one (conv update, x_proj, dt_proj, state update) when one of them
     has a hook, as an adapter would: the same logits and caches over three steps of a left-padded batch, the last
     step's token of row 1 a padding token (its state kept)."""
-    calls = []
-
-    def counted(name, op):
-        return lambda *args, **kwargs: calls.append(name) or op(*args, **kwargs)
-
-    kernels = mamba1.KERNEL_OPS
-    counting = kernels._replace(
-        mamba_inner_step=counted("mamba_inner_step", kernels.mamba_inner_step),
-        state_update=counted("state_update", kernels.state_update),
-    )
-    monkeypatch.setattr(Mamba1Branch, "_ops_for", lambda self, hidden: counting)  # the kernels, on CPU too
+    calls = kernels_counting_calls(monkeypatch, "mamba_inner_step", "state_update")
     model = make_model().to(DEVICE, dtype).eval()
     num_layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(5)

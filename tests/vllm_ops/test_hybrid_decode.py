@@ -269,6 +269,30 @@ def test_first_token_rows_start_from_a_zero_state(kernels, scan_kernels, fused):
     torch.testing.assert_close(ssm_state[state_indices[first].long()], final, atol=1e-5, rtol=1e-5)
 
 
+def captured(step) -> torch.cuda.CUDAGraph:
+    """`step` captured into a CUDA graph, as vLLM captures its full decode graph: run once on a side stream first,
+    which compiles the kernel outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def next_decode_step(per_row, has_initial_state, inputs, g) -> None:
+    """What the next step of the 4-row decode batch writes into the captured buffers: rows 0 and 3 swap (their block
+    table rows, context lengths and slots: `per_row`), the one-token prompt of row 1 now continues, new inputs."""
+    for buffer in per_row:
+        buffer.copy_(buffer[[3, 1, 2, 0]])
+    has_initial_state.copy_(torch.tensor([True, True, False, False], device=DEVICE))
+    for buffer in inputs:
+        buffer.copy_(torch.randn(buffer.shape, generator=g).to(DEVICE))
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
 def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
     """What vLLM's full decode graph does with the fused decode: captured once for a batch of 4 rows (one of them
@@ -295,22 +319,11 @@ def test_hybrid_decode_replays_from_a_cuda_graph(kernels):
             has_initial_state=has_initial_state,
         )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernel outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for replay in range(2):
-        if replay:  # the next step: rows 0 and 3 swap, new tokens, the one-token prompt now continues
-            for buffer in (block_table, seq_lens, state_indices):
-                buffer.copy_(buffer[[3, 1, 2, 0]])
-            has_initial_state.copy_(torch.tensor([True, True, False, False], device=DEVICE))
-            for buffer in (query, u, dt, z, B, C):
-                buffer.copy_(torch.randn(buffer.shape, generator=g).to(DEVICE))
+        if replay:
+            next_decode_step((block_table, seq_lens, state_indices), has_initial_state, (query, u, dt, z, B, C), g)
         state_ref = ssm_state.clone()
         attn_ref, ssm_ref = hybrid_decode_ref(
             *(query, key_cache, value_cache, block_table, seq_lens, scale, window, torch.empty_like(query)),
@@ -357,22 +370,11 @@ def test_hybrid_decode_ssd_replays_from_a_cuda_graph(kernels):
             **update, out=out, num_splits=2, counters=counters,
         )  # fmt: skip
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles the kernel outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
 
     for replay in range(2):
-        if replay:  # the next step: rows 0 and 3 swap, new tokens, the one-token prompt now continues
-            for buffer in (block_table, seq_lens, state_indices):
-                buffer.copy_(buffer[[3, 1, 2, 0]])
-            has_initial_state.copy_(torch.tensor([True, True, False, False], device=DEVICE))
-            for buffer in (query, x, dt, B, C):
-                buffer.copy_(torch.randn(buffer.shape, generator=g).to(DEVICE))
+        if replay:
+            next_decode_step((block_table, seq_lens, state_indices), has_initial_state, (query, x, dt, B, C), g)
         state_ref, attn_ref, out_ref = ssm_state.clone(), torch.empty_like(query), torch.empty_like(x)
         hybrid_decode_ssd_ref(
             *(query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_ref),
