@@ -127,18 +127,20 @@ def decode_host_work(args, device: str) -> dict:
         ssm_intermediate_size=args.hidden, window=min(SHAPES["small"]["window"], 64),
     )  # fmt: skip
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    models = build_models(shape, 64 + args.steps * (args.repeats + 2), device, dtype)
+    prompt_len, max_len = 64, 64 + args.steps * (args.repeats + 2)  # the prompt, then every step of every path
+    models = build_models(shape, max_len, device, dtype)
     layers = models["hybrid"].config.num_hidden_layers
-    prompt = torch.randint(3, shape["vocab_size"], (args.batch, 64), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, shape["vocab_size"], (args.batch, prompt_len), generator=generator).to(device)
+    # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
+    mask = torch.ones(args.batch, max_len, dtype=torch.long, device=device)
     results = {}
     for path, model in (("fused", models["hybrid"]), ("modules", models["hybrid"]), ("mistral", models["swa"])):
         hooks = []
         if path == "modules":
             hooks = [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
-        # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
-        mask = torch.ones(args.batch, 64 + args.steps * (args.repeats + 2), dtype=torch.long, device=device)
         with torch.inference_mode():
-            out = model(prompt.to(device), attention_mask=mask[:, :64], use_cache=True)
+            out = model(prompt, attention_mask=mask[:, :prompt_len], use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
             def step(model=model, cache=cache, token=token, mask=mask):
@@ -151,7 +153,7 @@ def decode_host_work(args, device: str) -> dict:
                 step()
             times = timed_steps(step, args, device)
         if args.static_graph:
-            results[path + "_static_graph"] = static_graph_launches(model, prompt.to(device), device)
+            results[path + "_static_graph"] = static_graph_launches(model, prompt, device)
             print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
         for hook in hooks:
             hook.remove()

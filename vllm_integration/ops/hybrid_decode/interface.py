@@ -83,8 +83,7 @@ def hybrid_decode(
         raise ValueError(f"u: expected {query.shape[0]} rows (one per decoding request), got {tuple(u.shape)}")
     ssm = state_update_args(ssm_state, u, dt, A, B, C, D, z, dt_bias, state_indices, ssm_out, has_initial_state)
     block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
-    ssm_launch = {"BLOCK_E": block_e, "BLOCK_N": triton.next_power_of_2(ssm.N), "SSD": False, "HAS_INDICES": True,
-                  "HAS_DT_BIAS": True, "DT_SOFTPLUS": True}  # fmt: skip
+    ssm_launch = {"BLOCK_E": block_e, "SSD": False, "HAS_INDICES": True, "HAS_DT_BIAS": True, "DT_SOFTPLUS": True}
     _launch(
         query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm,
         triton.cdiv(ssm.E, block_e), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
@@ -130,12 +129,11 @@ def hybrid_decode_ssd(
     [B, Hs, P]), so that binding the attention's leaves a function of the update's signature. Reference:
     `hybrid_decode_ssd_ref`. block_p: head channels per SSM program. Returns out (attention output in attn_out)."""
     ssd = ssd_update_args(ssm_state, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
-    if ssd.x.shape[0] != query.shape[0]:
+    if x.shape[0] != query.shape[0]:
         raise ValueError(f"x: expected {query.shape[0]} rows (one per decoding request), got {tuple(x.shape)}")
     block_p = block_p or pick_ssd_block_p(ssd.P, ssd.N)
-    ssm_launch = {"BLOCK_E": block_p, "BLOCK_N": triton.next_power_of_2(ssd.N), "SSD": True,
-                  "HAS_INDICES": state_indices is not None, "HAS_DT_BIAS": dt_bias is not None,
-                  "DT_SOFTPLUS": dt_softplus}  # fmt: skip
+    ssm_launch = {"BLOCK_E": block_p, "SSD": True, "HAS_INDICES": state_indices is not None,
+                  "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus}  # fmt: skip
     _launch(
         query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssd,
         ssd.H * triton.cdiv(ssd.P, block_p), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
@@ -149,7 +147,8 @@ def _launch(
     has_initial_state, *, k_scale, v_scale, block_keys, num_splits, num_warps, num_stages, counters,
 ) -> None:  # fmt: skip
     """Checks the attention's arguments, picks its launch shape and launches the fused kernel with the SSM half
-    `ssm` (checked by its own step's helpers), `num_ssm_blocks` SSM programs per request and its constexprs."""
+    `ssm` (checked by its own step's helpers; its N sizes the state tile), `num_ssm_blocks` SSM programs per request
+    and its constexprs."""
     num_requests, num_heads, head_dim = query.shape
     check_tokens("query", query, (num_requests, num_heads, head_dim))
     check_paged_cache(key_cache, value_cache, query, k_scale, v_scale)
@@ -214,6 +213,7 @@ def _launch(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_KEYS=block_keys,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=triton.next_power_of_2(ssm.N),
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],
