@@ -253,6 +253,30 @@ def test_the_compiled_scan_compiles_once_per_kind_of_call_not_per_shape():
     assert counters["stats"]["unique_graphs"] == len(kinds) + 1
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+def test_the_compiled_scan_and_norm_trace_inside_a_compiled_caller(grad):
+    """generate() with a static cache compiles the whole decode step on CUDA, and the Mamba-2 branch's norm (and a
+    prefill's scan) are called inside that graph: Dynamo refused the dynamic-shape marks there ("Attempt to trace
+    forbidden callable maybe_mark_dynamic", H200). Inside a compiled caller both must trace, under fullgraph, to the
+    reference's values."""
+    from modeling.ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
+
+    torch._dynamo.reset()
+    x, dt, A, B, C, D, h0, _ = random_inputs(seed=5)
+    weight = torch.randn(HEADS * HEAD_DIM)
+    z = torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM)
+
+    def scan_then_norm(scan, norm, **chunk):
+        y, state = scan(x, dt, A, B, C, D, initial_state=h0, **chunk)
+        return norm(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
+
+    with torch.set_grad_enabled(grad):
+        got = torch.compile(scan_then_norm, fullgraph=True, backend="eager")(ssd_chunk_scan, gated_rms_norm)
+        want = scan_then_norm(ssd_chunk_scan_ref, gated_rms_norm_ref, chunk_size=16)
+    for got_tensor, want_tensor in zip(got, want):
+        torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4)
+
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU machines the kernel runs in Triton's interpreter
 
 

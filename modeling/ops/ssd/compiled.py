@@ -23,6 +23,10 @@ changed, per cached variant), an evaluation after training compiled a variant pe
 limit, an error under fullgraph (H200). Training calls keep Dynamo's rule: a training batch keeps its shape, and
 the static-shape kernels are the faster ones (one bench_lm run each on the H200: 178.8k tok/s static, 158.9k with
 every call symbolic).
+
+Inside a caller that is itself being compiled (generate()'s compiled decode step with a static cache, a user's
+`torch.compile` of the model) the two functions hand the caller's graph the references to trace: Dynamo refuses the
+shape marks and config patches there, and the caller's compile covers them anyway.
 """
 
 import torch
@@ -65,6 +69,8 @@ def ssd_chunk_scan(
     seq_idx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd_chunk_scan_ref` compiled, in chunks of `CHUNK`; same arguments (but the chunk) and results."""
+    if torch.compiler.is_compiling():  # inside a compiled caller: the reference joins the caller's graph
+        return ssd_chunk_scan_ref(x, dt, A, B, C, D, CHUNK, initial_state, seq_idx)
     _batch_and_time_dynamic(x, dt, B, C, seq_idx, batch_only=initial_state)
     # The budget is read when a variant compiles, by the partitioner of the backward.
     with (
@@ -78,6 +84,8 @@ def gated_rms_norm(
     y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
 ) -> torch.Tensor:
     """`gated_rms_norm_ref` compiled; same arguments and result."""
+    if torch.compiler.is_compiling():
+        return gated_rms_norm_ref(y, z, weight, group_size, eps)
     _batch_and_time_dynamic(y, z)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return _compiled_norm(y, z, weight, group_size, eps)
