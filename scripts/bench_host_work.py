@@ -152,6 +152,7 @@ def decode_host_work(args, device: str) -> dict:
             with counting_triton_launches(launches), counter:
                 step()
             times = timed_steps(step, args, device)
+            profile = python_profile(step, args.steps, args.python_profile) if args.python_profile else None
         if args.static_graph:
             results[path + "_static_graph"] = static_graph_launches(model, prompt, device)
             print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
@@ -164,8 +165,10 @@ def decode_host_work(args, device: str) -> dict:
             "triton_launches_per_layer": round(sum(launches.values()) / layers, 2),
             "host_ms_median": round(statistics.median(times), 4),
             "host_ms": [round(t, 4) for t in times],
-            "top_ops_per_layer": {op: round(n / layers, 2) for op, n in counter.ops.most_common(12)},
+            "ops_per_layer": {op: round(n / layers, 2) for op, n in counter.ops.most_common()},
         }
+        if profile is not None:
+            results[path]["python_profile"] = profile
         print(
             f"{path:8s} aten ops {aten_ops:5d} ({aten_ops / layers:6.2f} a layer)  Triton launches "
             f"{results[path]['triton_launches_per_layer']:.0f} a layer  host {results[path]['host_ms_median']:.3f} ms "
