@@ -235,6 +235,42 @@ def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
         )
 
 
+def test_no_training_launch_passes_one_tensor_as_two_arguments(make_model, kernels_on_cpu, monkeypatch):
+    """Under torch.compile, Dynamo traces the training step's Triton launches, and functionalizing a launch clones
+    every argument that Inductor's analysis of the kernel says it may write (the analysis over-approximates: every
+    argument of a helper a store depends on), then replaces each such tensor by its clone, in argument order. One
+    tensor passed as two arguments, the scan's output standing in for its absent pointers, came back as the clone of
+    the last of them, which the kernel never writes: the compiled step's loss was off by 3-4e-3, differently in every
+    process (H200). So no launch of the training forward or backward passes one tensor twice; absent pointers are
+    None."""
+    from triton.runtime import interpreter, jit
+
+    launches = []
+    launcher_class, method = (jit.JITFunction, "run") if ON_GPU else (interpreter.GridExecutor, "__call__")
+    launch = getattr(launcher_class, method)
+
+    def recording(self, *args, **kwargs):
+        tensors = [(f"#{i}", arg) for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
+        tensors += [(name, arg) for name, arg in kwargs.items() if isinstance(arg, torch.Tensor)]
+        launches.append((getattr(self, "fn", self).__name__, tensors))
+        return launch(self, *args, **kwargs)
+
+    monkeypatch.setattr(launcher_class, method, recording)
+    model = make_model(sliding_window=16).to(DEVICE).train()
+    ids = torch.randint(3, 97, (2, 150), device=DEVICE)  # more than one scan chunk: the combine runs both ways
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    traced = {"_selective_scan_chunk_combine_kernel", "_selective_scan_bwd_kernel", "_causal_conv1d_bwd_kernel"}
+    assert traced <= {name for name, _ in launches}
+    for kernel, tensors in launches:
+        by_address = {}
+        for name, tensor in tensors:
+            if tensor.numel():
+                by_address.setdefault(tensor.data_ptr(), []).append(name)
+        shared = [names for names in by_address.values() if len(names) > 1]
+        assert not shared, f"{kernel} takes one tensor as {shared}"
+
+
 @pytest.mark.skipif(not ON_GPU, reason="generate() compiles its decode step (CUDA graphs) on CUDA only")
 def test_compiled_static_generation_gives_the_dynamic_cache_tokens_on_gpu(make_model):
     """`generate(cache_implementation="static")` on CUDA compiles the decode step (inductor, CUDA graphs) around the

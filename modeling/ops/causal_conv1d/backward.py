@@ -32,7 +32,8 @@ def _causal_conv1d_bwd_kernel(
     """
     i_c, i_e, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     p_x += i_b.to(tl.int64) * s_x_b
-    p_hist += i_b.to(tl.int64) * s_h_b
+    if HAS_HISTORY:
+        p_hist += i_b.to(tl.int64) * s_h_b
     p_dy += i_b.to(tl.int64) * s_dy_b
     p_dx += i_b.to(tl.int64) * s_dx_b
     if HAS_SEQ_IDX:

@@ -139,7 +139,8 @@ def _causal_conv1d_fwd_kernel(
     else:
         p_x += i_b.to(tl.int64) * s_x_b
         p_y += i_b.to(tl.int64) * s_y_b
-        p_hist += i_b.to(tl.int64) * s_h_b
+        if HAS_HISTORY:
+            p_hist += i_b.to(tl.int64) * s_h_b
         if HAS_SEQ_IDX:
             p_seq_idx += i_b.to(tl.int64) * T
         b_bos = 0
@@ -168,7 +169,7 @@ def conv_args(
         "p_x": x,
         "p_w": weight,
         "p_bias": bias,
-        "p_hist": history if history is not None else x,  # a valid pointer, never read without history
+        "p_hist": history,
         "p_seq_idx": seq_idx,
         **stride_args("x", x, "bte"),
         **stride_args("w", weight, "ek"),
@@ -348,7 +349,7 @@ def launch_causal_conv1d_update(
         p_bias=bias,
         p_state=conv_state,
         p_state_indices=state_indices,
-        p_has_initial_state=has_initial_state if has_initial_state is not None else out,  # not read without flags
+        p_has_initial_state=has_initial_state,
         p_out=out,
         E=num_channels,
         **stride_args("x", x, "re"),

@@ -169,18 +169,18 @@ def launch_mamba_inner_step(
     blocks = pick_step_blocks(num_channels, dt_rank, state_size)
     num_parts = triton.cdiv(num_channels, blocks.e1)
     parts = torch.empty(num_parts, num_rows, x_proj_rows, device=xz.device, dtype=torch.float32)
-    mask = padding_mask if padding_mask is not None else out  # not read without HAS_MASK
+    mask_stride = padding_mask.stride(0) if padding_mask is not None else 0
     _conv_x_proj_kernel[(num_parts, num_rows)](
-        xz, conv_weight, conv_bias, conv_state, mask, out, x_proj_weight, parts,
-        num_channels, x_proj_rows, num_rows, mask.stride(0), xz.stride(0),
+        xz, conv_weight, conv_bias, conv_state, padding_mask, out, x_proj_weight, parts,
+        num_channels, x_proj_rows, num_rows, mask_stride, xz.stride(0),
         conv_weight.stride(0), conv_weight.stride(2),
         *conv_state.stride(), *x_proj_weight.stride(),
         K=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
         HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e1, BLOCK_J=blocks.j,
     )  # fmt: skip
     _dt_state_kernel[(num_rows, triton.cdiv(num_channels, blocks.e2))](
-        out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, mask, out,
-        num_channels, dt_rank, state_size, num_parts, num_rows, mask.stride(0), xz.stride(0), *dt_proj_weight.stride(),
+        out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, padding_mask, out,
+        num_channels, dt_rank, state_size, num_parts, num_rows, mask_stride, xz.stride(0), *dt_proj_weight.stride(),
         *A_log.stride(), *ssm_state.stride(),
         HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e2, BLOCK_R=blocks.r,
         BLOCK_N=triton.next_power_of_2(state_size), BLOCK_P=blocks.p,

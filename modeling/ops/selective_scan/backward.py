@@ -304,7 +304,6 @@ def launch_selective_scan_bwd(
     states_per_program = blocks.seg + (0 if seg_states is not None else blocks.chunk // blocks.seg)
     scratch_per_program = states_per_program * blocks.bwd_block_e * block_n
     scratch = u.new_empty(grid[0] * grid[1] * grid[2] * scratch_per_program, dtype=torch.float32)
-    dummy = du  # stands in for absent optional pointers; the constexpr flags keep it untouched
     shared = {
         "T": seq_len,
         "E": num_channels,
@@ -316,14 +315,14 @@ def launch_selective_scan_bwd(
         "num_warps": blocks.bwd_num_warps,
     }
     stage = {  # the arguments both stages take
-        **scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus, dummy),
+        **scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus),
         "p_dy": dy,
-        "p_h0": initial_state if initial_state is not None else dummy,
-        "p_dhT": d_final_state if d_final_state is not None else dummy,
-        "p_dh0": d_initial if d_initial is not None else dummy,
-        "p_chunk_h": chunk_h if chunk_h is not None else dummy,
-        "p_chunk_dh": chunk_dh if chunked else dummy,
-        "p_seg_h": seg_states if seg_states is not None else dummy,
+        "p_h0": initial_state,
+        "p_dhT": d_final_state,
+        "p_dh0": d_initial,
+        "p_chunk_h": chunk_h,
+        "p_chunk_dh": chunk_dh,
+        "p_seg_h": seg_states,
         "p_scratch": scratch,
         "p_du": du,
         "p_ddt": ddt,
@@ -332,7 +331,7 @@ def launch_selective_scan_bwd(
         "p_dC_part": dC_part,
         "p_dA_part": dA_part,
         "p_dD_part": dD_part,
-        "p_seq_idx": seq_idx if seq_idx is not None else dummy,
+        "p_seq_idx": seq_idx,
         **token_strides("dy", dy),
         "CHUNKED": chunked,
         "HAS_H0": initial_state is not None,
@@ -350,11 +349,11 @@ def launch_selective_scan_bwd(
             p_A=A,
             p_chunk_h=chunk_dh,
             p_chunk_dtsum=chunk_dtsum,
-            p_first=d_final_state if d_final_state is not None else dummy,
-            p_last=d_initial if d_initial is not None else dummy,
-            p_state_indices=dummy,
-            p_has_first=dummy,
-            p_cu_seqlens=dummy,
+            p_first=d_final_state,
+            p_last=d_initial,
+            p_state_indices=None,
+            p_has_first=None,
+            p_cu_seqlens=None,
             chunk=blocks.chunk,
             s_h_slot=num_channels * state_size,
             s_h_e=state_size,

@@ -307,9 +307,9 @@ def token_strides(name: str, x: torch.Tensor) -> dict[str, int]:
     return {f"s_{name}_b": s_b, f"s_{name}_t": s_t}
 
 
-def scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dummy: Tensor) -> dict:
-    """The arguments the forward and backward kernels share: the op's tensors (`dummy` for an absent dt_bias), their
-    token strides (B and C share theirs) and the dt flags."""
+def scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus: bool) -> dict:
+    """The arguments the forward and backward kernels share: the op's tensors, their token strides (B and C share
+    theirs) and the dt flags."""
     return {
         "p_u": u,
         "p_dt": dt,
@@ -318,7 +318,7 @@ def scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dummy: Tensor) -
         "p_C": C,
         "p_D": D,
         "p_z": z,
-        "p_dt_bias": dt_bias if dt_bias is not None else dummy,
+        "p_dt_bias": dt_bias,
         **token_strides("u", u),
         **token_strides("dt", dt),
         **token_strides("z", z),
@@ -348,18 +348,15 @@ def launch_selective_scan_fwd(
     num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else u.shape[0]
     num_chunks = triton.cdiv(max_seq_len, blocks.chunk)
     chunked = num_chunks > 1
-    dummy = y  # stands in for absent optional pointers; the constexpr flags keep it untouched
-    h0 = initial_state if initial_state is not None else final_state
-    if h0.stride() != final_state.stride() or B.stride() != C.stride():
+    if (initial_state is not None and initial_state.stride() != final_state.stride()) or B.stride() != C.stride():
         raise ValueError("the kernels read initial and final state with one set of strides, and B and C with another")
     chunk_h = chunk_dtsum = None
     if chunked:
         chunk_h = u.new_empty(num_seqs, num_chunks, num_channels, state_size, dtype=torch.float32)
         chunk_dtsum = u.new_empty(num_seqs, num_chunks, num_channels, dtype=torch.float32)
-    has_h0 = has_initial_state if has_initial_state is not None else dummy
     shared = {  # the arguments both kernels take
-        "p_state_indices": state_indices if state_indices is not None else dummy,
-        "p_cu_seqlens": cu_seqlens if cu_seqlens is not None else dummy,
+        "p_state_indices": state_indices,
+        "p_cu_seqlens": cu_seqlens,
         "T": u.shape[-2],
         "E": num_channels,
         "N": state_size,
@@ -374,14 +371,14 @@ def launch_selective_scan_fwd(
         "num_warps": blocks.num_warps,
     }
     stage = {  # the arguments both stages take
-        **scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus, dummy),
+        **scan_args(u, dt, A, B, C, D, z, dt_bias, dt_softplus),
         "p_y": y,
-        "p_h0": h0,
+        "p_h0": initial_state,
         "p_hT": final_state,
-        "p_has_h0": has_h0,
-        "p_chunk_h": chunk_h if chunked else dummy,
-        "p_chunk_dtsum": chunk_dtsum if chunked else dummy,
-        "p_seq_idx": seq_idx if seq_idx is not None else dummy,
+        "p_has_h0": has_initial_state,
+        "p_chunk_h": chunk_h,
+        "p_chunk_dtsum": chunk_dtsum,
+        "p_seq_idx": seq_idx,
         **token_strides("y", y),
         "CHUNKED": chunked,
         "HAS_H0": initial_state is not None,
@@ -392,21 +389,19 @@ def launch_selective_scan_fwd(
     }
     grid = (num_seqs, triton.cdiv(num_channels, blocks.block_e), num_chunks)
     if chunked:
-        _selective_scan_fwd_kernel[grid](**stage, **shared, STAGE=0, p_seg_h=dummy, SAVE_SEG_H=False)
+        _selective_scan_fwd_kernel[grid](**stage, **shared, STAGE=0, p_seg_h=None, SAVE_SEG_H=False)
         _selective_scan_chunk_combine_kernel[grid[:2]](
             p_A=A,
             p_chunk_h=chunk_h,
             p_chunk_dtsum=chunk_dtsum,
-            p_first=h0,
+            p_first=initial_state,
             p_last=final_state,
-            p_has_first=has_h0,
+            p_has_first=has_initial_state,
             REVERSE=False,
             HAS_FIRST=initial_state is not None,
             STORE_LAST=True,
             **shared,
         )
     save_seg_h = seg_states is not None
-    _selective_scan_fwd_kernel[grid](
-        **stage, **shared, STAGE=1, p_seg_h=seg_states if save_seg_h else dummy, SAVE_SEG_H=save_seg_h
-    )
+    _selective_scan_fwd_kernel[grid](**stage, **shared, STAGE=1, p_seg_h=seg_states, SAVE_SEG_H=save_seg_h)
     return chunk_h, chunk_dtsum
