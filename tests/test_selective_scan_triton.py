@@ -460,6 +460,15 @@ def test_varlen_rejects_bad_shapes(scan):
         scan.selective_scan_varlen_fwd(**{**args, "ssm_state": torch.zeros(2, channels, state + 1)})
     with pytest.raises(ValueError, match="out"):
         scan.selective_scan_varlen_fwd(**{**args, "out": torch.empty(5, channels)})
+    # The launcher below the op: slots to read initial states from, and no flags saying which sequences read one
+    # (the kernel would load the flags through an absent pointer).
+    forward = importlib.import_module("modeling.ops.selective_scan.forward")
+    with pytest.raises(ValueError, match="has_initial_state"):
+        forward.launch_selective_scan_fwd(
+            *(args[name] for name in ("u", "dt", "A", "B", "C", "D", "z", "out")), args["ssm_state"], args["ssm_state"],
+            blocks=scan.pick_scan_blocks(1, 6, channels, state), max_seq_len=6, cu_seqlens=args["cu_seqlens"],
+            state_indices=args["state_indices"],
+        )  # fmt: skip
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")

@@ -255,26 +255,67 @@ def test_the_compiled_scan_compiles_once_per_kind_of_call_not_per_shape():
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
 def test_the_compiled_scan_and_norm_trace_inside_a_compiled_caller(grad):
-    """generate() with a static cache compiles the whole decode step on CUDA, and the Mamba-2 branch's norm (and a
-    prefill's scan) are called inside that graph: Dynamo refused the dynamic-shape marks there ("Attempt to trace
-    forbidden callable maybe_mark_dynamic", H200). Inside a compiled caller both must trace, under fullgraph, to the
-    reference's values."""
+    """generate() with a static cache compiles the whole decode step on CUDA, and `torch.compile(model)` a training
+    step, with the Mamba-2 branch's scan and norm called inside that graph: Dynamo refused their dynamic-shape marks
+    ("Attempt to trace forbidden callable maybe_mark_dynamic", H200) and config patches there. Inside a compiled
+    caller both must trace under fullgraph to the reference's values and, with grad, its gradients (the scan then
+    recomputed in the backward)."""
     from modeling.ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
 
     torch._dynamo.reset()
     x, dt, A, B, C, D, h0, _ = random_inputs(seed=5)
-    weight = torch.randn(HEADS * HEAD_DIM)
-    z = torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM)
+    g = torch.Generator().manual_seed(6)
+    weight, z = torch.randn(HEADS * HEAD_DIM, generator=g), torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM, generator=g)
 
-    def scan_then_norm(scan, norm, **chunk):
-        y, state = scan(x, dt, A, B, C, D, initial_state=h0, **chunk)
-        return norm(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
+    def compiled_ops(x, dt, B, C, h0):
+        y, state = ssd_chunk_scan(x, dt, A, B, C, D, initial_state=h0)
+        return gated_rms_norm(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
 
-    with torch.set_grad_enabled(grad):
-        got = torch.compile(scan_then_norm, fullgraph=True, backend="eager")(ssd_chunk_scan, gated_rms_norm)
-        want = scan_then_norm(ssd_chunk_scan_ref, gated_rms_norm_ref, chunk_size=16)
-    for got_tensor, want_tensor in zip(got, want):
+    def reference_ops(x, dt, B, C, h0):
+        y, state = ssd_chunk_scan_ref(x, dt, A, B, C, D, 16, h0)
+        return gated_rms_norm_ref(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
+
+    def outputs_and_gradients(forward):
+        inputs = [t.detach().requires_grad_(grad) for t in (x, dt, B, C, h0)]
+        with torch.set_grad_enabled(grad):
+            outputs = forward(*inputs)
+        if not grad:
+            return list(outputs)
+        cotangents = [torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) for out in outputs]
+        return [*outputs, *torch.autograd.grad(outputs, inputs, cotangents)]
+
+    got = outputs_and_gradients(torch.compile(compiled_ops, fullgraph=True, backend="aot_eager"))
+    for got_tensor, want_tensor in zip(got, outputs_and_gradients(reference_ops), strict=True):
         torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4)
+
+
+def test_a_compiled_training_caller_keeps_the_scan_inputs_not_its_chunk_products():
+    """In a training step compiled whole (`torch.compile(model)`), the scan's memory budget is the caller's compile to
+    set; the scan recomputes its chunk products in the backward instead: what the graph saves for backward is a
+    fraction of what the same graph around the plain reference saves (the [L, L] products of every chunk)."""
+    from modeling.ops.ssd.compiled import CHUNK, ssd_chunk_scan
+
+    g = torch.Generator().manual_seed(8)
+    length = 8 * CHUNK
+    x, dt, B, C = (
+        torch.randn(2, length, HEADS, HEAD_DIM, generator=g),
+        torch.rand(2, length, HEADS, generator=g) * 0.5,
+        torch.randn(2, length, GROUPS, STATE, generator=g),
+        torch.randn(2, length, GROUPS, STATE, generator=g),
+    )
+    A, D = -(torch.rand(HEADS, generator=g) + 0.2), torch.randn(HEADS, generator=g)
+
+    def saved_bytes(scan):
+        torch._dynamo.reset()
+        saved = []
+        inputs = [t.clone().requires_grad_() for t in (x, dt, B, C)]
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+            torch.compile(scan, fullgraph=True, backend="aot_eager")(*inputs)
+        return sum(saved)
+
+    checkpointed = saved_bytes(lambda x, dt, B, C: ssd_chunk_scan(x, dt, A, B, C, D))
+    inline = saved_bytes(lambda x, dt, B, C: ssd_chunk_scan_ref(x, dt, A, B, C, D, CHUNK))
+    assert checkpointed < inline / 4, (checkpointed, inline)
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU machines the kernel runs in Triton's interpreter

@@ -348,6 +348,8 @@ def launch_selective_scan_fwd(
     num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else u.shape[0]
     num_chunks = triton.cdiv(max_seq_len, blocks.chunk)
     chunked = num_chunks > 1
+    if state_indices is not None and initial_state is not None and has_initial_state is None:
+        raise ValueError("initial states read through state_indices need has_initial_state (which sequences read one)")
     if (initial_state is not None and initial_state.stride() != final_state.stride()) or B.stride() != C.stride():
         raise ValueError("the kernels read initial and final state with one set of strides, and B and C with another")
     chunk_h = chunk_dtsum = None

@@ -26,11 +26,13 @@ every call symbolic).
 
 Inside a caller that is itself being compiled (generate()'s compiled decode step with a static cache, a user's
 `torch.compile` of the model) the two functions hand the caller's graph the references to trace: Dynamo refuses the
-shape marks and config patches there, and the caller's compile covers them anyway.
+shape marks and config patches there, and the caller's compile covers them anyway. A training call there takes the
+scan under activation checkpointing (recomputed in the backward) in place of the memory budget.
 """
 
 import torch
 import torch._functorch.config
+from torch.utils.checkpoint import checkpoint
 
 from .reference import gated_rms_norm_ref, ssd_chunk_scan_ref
 
@@ -70,6 +72,12 @@ def ssd_chunk_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssd_chunk_scan_ref` compiled, in chunks of `CHUNK`; same arguments (but the chunk) and results."""
     if torch.compiler.is_compiling():  # inside a compiled caller: the reference joins the caller's graph
+        if torch.is_grad_enabled():
+            # The budget above is the caller's compile to set, and without it the backward would keep every [L, L]
+            # product (a peak of 1.73x the model without the branch on the H200): the backward recomputes them.
+            return checkpoint(
+                ssd_chunk_scan_ref, x, dt, A, B, C, D, CHUNK, initial_state, seq_idx, use_reentrant=False
+            )
         return ssd_chunk_scan_ref(x, dt, A, B, C, D, CHUNK, initial_state, seq_idx)
     _batch_and_time_dynamic(x, dt, B, C, seq_idx, batch_only=initial_state)
     # The budget is read when a variant compiles, by the partitioner of the backward.
