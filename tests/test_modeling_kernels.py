@@ -235,7 +235,8 @@ def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
         )
 
 
-def test_no_training_launch_passes_one_tensor_as_two_arguments(make_model, kernels_on_cpu, monkeypatch):
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-rows"])
+def test_no_training_launch_passes_one_tensor_as_two_arguments(make_model, kernels_on_cpu, monkeypatch, packed):
     """Under torch.compile, Dynamo traces the training step's Triton launches, and functionalizing a launch clones
     every argument that Inductor's analysis of the kernel says it may write (the analysis over-approximates: every
     argument of a helper a store depends on), then replaces each such tensor by its clone, in argument order. One
@@ -258,10 +259,13 @@ def test_no_training_launch_passes_one_tensor_as_two_arguments(make_model, kerne
     monkeypatch.setattr(launcher_class, method, recording)
     model = make_model(sliding_window=16).to(DEVICE).train()
     ids = torch.randint(3, 97, (2, 150), device=DEVICE)  # more than one scan chunk: the combine runs both ways
-    model(input_ids=ids, labels=ids).loss.backward()
+    # Packed rows (DataCollatorWithFlattening's position_ids, two sequences a row) pass seq_idx to every launch.
+    positions = torch.cat([torch.arange(70), torch.arange(80)]).expand(2, -1).to(DEVICE) if packed else None
+    model(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
 
     traced = {"_selective_scan_chunk_combine_kernel", "_selective_scan_bwd_kernel", "_causal_conv1d_bwd_kernel"}
     assert traced <= {name for name, _ in launches}
+    assert packed == any(name == "p_seq_idx" for _, tensors in launches for name, _ in tensors)
     for kernel, tensors in launches:
         by_address = {}
         for name, tensor in tensors:
