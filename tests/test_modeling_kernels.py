@@ -235,7 +235,7 @@ def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
         )
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-rows"])
+@pytest.mark.parametrize("packed", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["rows", "packed-rows"])
 def test_no_training_launch_passes_one_tensor_as_two_arguments(make_model, kernels_on_cpu, monkeypatch, packed):
     """Under torch.compile, Dynamo traces the training step's Triton launches, and functionalizing a launch clones
     every argument that Inductor's analysis of the kernel says it may write (the analysis over-approximates: every
