@@ -1,0 +1,253 @@
+"""Forward kernels of Mamba-2's chunked scan (SSD) for training, and their launcher; the public function and its
+autograd are in interface.py, the reference (`ssd_chunk_scan_ref`, the same algorithm in PyTorch) in reference.py.
+
+Per head h of a row, chunks of L tokens; G_i = sum of dt_t * A[h] over the chunk's tokens t <= i (the log decay from
+the chunk's start to token i, fp32, computed in each program from dt), xdt_j = x_j * dt_j:
+    state entering chunk c+1:  H_{c+1} = a_c H_c + sum_j w_j xdt_j B_j^T          [P, N]
+    output:                    y_i = e_i H_c C_i + sum_{j <= i} M_ij (C_i . B_j) xdt_j + D x_i
+with a_c = exp(G_last), w_j = exp(G_last - G_j), e_i = exp(G_i), M_ij = exp(G_i - G_j). Two launches:
+    states  one program per (row and head, block of P, block of N) walks the chunks in order, storing the state
+            entering each chunk (fp32 [b, chunks, H, P, N]) and the final state         (sequential over chunks)
+    outputs one program per (row and head, chunk, block of P): the two terms of y        (all chunks in parallel)
+The backward (backward.py) recomputes the states rather than keeping them: they are P*N/L fp32 values per token and
+head, 8x the input's bytes at P 64, N 128, L 64.
+
+Packed rows (`seq_idx`): the kernels read a segment number per token (a count of sequence starts, `segments`), and a
+product that would cross a sequence start is zero: M_ij needs i and j in one segment, e_i needs i in the segment of
+the token before the chunk (the row's first token for chunk 0: the initial state belongs to the row's first
+sequence), w_j needs j in the segment of the chunk's last token, and a_c the last token in the segment before the
+chunk. A zero step (dt = 0: padding) decays by 1 and adds nothing.
+
+Products run on the tensor cores in the inputs' dtype (bf16 operands, fp32 accumulation, as mamba_ssm's SSD kernels
+do), and in exact fp32 (input_precision "ieee") for fp32 inputs. No operand of a product is the transpose of another
+product's result: a transposed operand is loaded transposed from memory (Triton 3.4-3.7.0 miscompiles `tl.trans` of
+a wgmma result on Hopper: fla-org/flash-linear-attention#640).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..triton_utils import stride_args
+
+CHUNK = 64
+
+
+@triton.jit
+def _chunk_decays(
+    p_dt, p_seg, a, i_b, i_h, i_c, T,
+    s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t,
+    L: tl.constexpr, HAS_SEQ: tl.constexpr,
+):  # fmt: skip
+    """What every kernel needs of chunk i_c of (row i_b, head i_h), per token i of the chunk: offsets o_t, validity m_t,
+    step dt, G; the flags is_last (the chunk's last valid token), continues (i continues the state entering the
+    chunk), reaches_end (i is in the segment of the chunk's last token); the segment numbers (zeros without
+    `seq_idx`) and whether the state entering the chunk passes the whole chunk (`carried`)."""
+    o_t = tl.arange(0, L)
+    t = i_c * L + o_t
+    m_t = t < T
+    b_dt = tl.load(p_dt + i_b * s_dt_b + t * s_dt_t + i_h * s_dt_h, mask=m_t, other=0.0).to(tl.float32)
+    b_G = tl.cumsum(b_dt * a, 0)
+    is_last = o_t == tl.minimum(T - i_c * L, L) - 1
+    if HAS_SEQ:
+        b_seg = tl.load(p_seg + i_b * s_seg_b + t * s_seg_t, mask=m_t, other=-1)
+        seg_before = tl.load(p_seg + i_b * s_seg_b + tl.maximum(i_c * L - 1, 0) * s_seg_t)
+        seg_last = tl.sum(tl.where(is_last, b_seg, 0), 0)
+        continues = m_t & (b_seg == seg_before)
+        reaches_end = m_t & (b_seg == seg_last)
+        carried = seg_last == seg_before
+    else:
+        b_seg = tl.zeros([L], dtype=tl.int32)
+        continues = m_t
+        reaches_end = m_t
+        carried = tl.full([], 1, tl.int1)
+    return o_t, t, m_t, b_dt, b_G, is_last, continues, reaches_end, b_seg, carried
+
+
+@triton.jit
+def _intra_chunk_decays(o_t, m_t, b_G, b_seg, TRANSPOSED: tl.constexpr):
+    """M [i, j] = exp(G_i - G_j) where j <= i in one segment, else 0; its transpose [j, i] with TRANSPOSED, built as
+    such (not by transposing). The exponent is never taken of a positive difference: no overflow to inf."""
+    keep = (b_seg[:, None] == b_seg[None, :]) & m_t[:, None] & m_t[None, :]
+    if TRANSPOSED:
+        keep = keep & (o_t[:, None] <= o_t[None, :])
+        exponent = b_G[None, :] - b_G[:, None]
+    else:
+        keep = keep & (o_t[:, None] >= o_t[None, :])
+        exponent = b_G[:, None] - b_G[None, :]
+    return tl.exp(tl.where(keep, exponent, float("-inf")))
+
+
+@triton.jit
+def _ssd_states_fwd_kernel(
+    p_x, p_dt, p_A, p_B, p_seg, p_h0, p_states, p_final,
+    T, H, P, N, num_chunks, heads_per_group,
+    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_dt_b, s_dt_t, s_dt_h,
+    s_B_b, s_B_t, s_B_g, s_B_n,
+    s_seg_b, s_seg_t,
+    s_h0_b, s_h0_h, s_h0_p, s_h0_n,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_n, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // heads_per_group
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    a = tl.load(p_A + i_h).to(tl.float32)
+    dot_dtype = p_x.dtype.element_ty
+    p_x += i_b * s_x_b + i_h * s_x_h
+    p_B += i_b * s_B_b + i_g * s_B_g
+    # states and final: contiguous [b, chunks, H, P, N] and [b, H, P, N]
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    p_states += (i_b * num_chunks * H + i_h) * P * N + o_pn
+
+    b_h = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if HAS_H0:
+        p_h0 += i_b * s_h0_b + i_h * s_h0_h + o_p[:, None] * s_h0_p + o_n[None, :] * s_h0_n
+        b_h = tl.load(p_h0, mask=m_pn, other=0.0).to(tl.float32)
+    for i_c in range(num_chunks):
+        tl.store(p_states + i_c * H * P * N, b_h, mask=m_pn)
+        o_t, t, m_t, b_dt, b_G, is_last, _, reaches_end, _, carried = _chunk_decays(
+            p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
+        )
+        G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
+        b_w = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0) * b_dt  # [L]: w_j dt_j
+        # x_j^T [P, L], loaded transposed, times w_j dt_j
+        b_xT = tl.load(p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0)
+        b_xwT = (b_xT.to(tl.float32) * b_w[None, :]).to(dot_dtype)
+        b_Bc = tl.load(p_B + t[:, None] * s_B_t + o_n[None, :] * s_B_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0)
+        b_h = tl.where(carried, tl.exp(G_last), 0.0) * b_h
+        b_h += tl.dot(b_xwT, b_Bc.to(dot_dtype), input_precision=PRECISION)
+    p_final += (i_b * H + i_h) * P * N + o_pn
+    tl.store(p_final, b_h, mask=m_pn)
+
+
+@triton.jit
+def _ssd_outputs_fwd_kernel(
+    p_x, p_dt, p_A, p_B, p_C, p_D, p_seg, p_states, p_y,
+    T, H, P, N, num_chunks, heads_per_group,
+    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_dt_b, s_dt_t, s_dt_h,
+    s_B_b, s_B_t, s_B_g, s_B_n,
+    s_C_b, s_C_t, s_C_g, s_C_n,
+    s_seg_b, s_seg_t,
+    s_y_b, s_y_t, s_y_h, s_y_p,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_SEQ: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    i_g = i_h // heads_per_group
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    m_p = o_p < P
+    a = tl.load(p_A + i_h).to(tl.float32)
+    dot_dtype = p_x.dtype.element_ty
+    o_t, t, m_t, b_dt, b_G, _, continues, _, b_seg, _ = _chunk_decays(
+        p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
+    )
+    p_B += i_b * s_B_b + i_g * s_B_g
+    p_C += i_b * s_C_b + i_g * s_C_g
+    p_states += ((i_b * num_chunks + i_c) * H + i_h) * P * N
+
+    # C_i . (state entering the chunk) and C_i . B_j, over blocks of N
+    b_y = tl.zeros([L, BLOCK_P], dtype=tl.float32)
+    b_S = tl.zeros([L, L], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        b_Cc = tl.load(p_C + t[:, None] * s_C_t + o_n[None, :] * s_C_n, mask=m_t[:, None] & m_n[None, :], other=0.0)
+        b_Cc = b_Cc.to(dot_dtype)
+        b_BT = tl.load(p_B + o_n[:, None] * s_B_n + t[None, :] * s_B_t, mask=m_n[:, None] & m_t[None, :], other=0.0)
+        b_S += tl.dot(b_Cc, b_BT.to(dot_dtype), input_precision=PRECISION)
+        b_hT = tl.load(p_states + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :], other=0.0)
+        b_y += tl.dot(b_Cc, b_hT.to(dot_dtype), input_precision=PRECISION)
+    b_y *= tl.where(continues, tl.exp(b_G), 0.0)[:, None]
+
+    b_M = _intra_chunk_decays(o_t, m_t, b_G, b_seg, False)
+    m_tp = m_t[:, None] & m_p[None, :]
+    b_x = tl.load(p_x + i_b * s_x_b + i_h * s_x_h + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0)
+    b_x = b_x.to(tl.float32)
+    b_xdt = (b_x * b_dt[:, None]).to(dot_dtype)
+    b_y += tl.dot((b_S * b_M).to(dot_dtype), b_xdt, input_precision=PRECISION)
+    b_y += tl.load(p_D + i_h).to(tl.float32) * b_x
+    p_y += i_b * s_y_b + i_h * s_y_h + t[:, None] * s_y_t + o_p[None, :] * s_y_p
+    tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_tp)
+
+
+def dot_precision(x: Tensor) -> str:
+    """Exact fp32 products for fp32 inputs (the reference's precision); bf16/fp16 operands take the tensor cores."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def shape_args(x: Tensor, B: Tensor, chunk: int) -> dict:
+    batch, length, heads, head_dim = x.shape
+    return {
+        "T": length,
+        "H": heads,
+        "P": head_dim,
+        "N": B.shape[-1],
+        "num_chunks": triton.cdiv(length, chunk),
+        "heads_per_group": heads // B.shape[2],
+        "L": chunk,
+    }
+
+
+def common_strides(x: Tensor, dt: Tensor, B: Tensor, segments: Tensor | None) -> dict:
+    return {
+        **stride_args("x", x, "bthp"),
+        **stride_args("dt", dt, "bth"),
+        **stride_args("B", B, "btgn"),
+        **stride_args("seg", segments, "bt"),
+    }
+
+
+def state_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N) of the sequential state kernels: 32 x 64 tiles, so that a [b, H] launch still has
+    b * H * cdiv(P, 32) * cdiv(N, 64) programs (256 at b 2, H 32, P 64, N 128). tl.dot's tiles are at least 16."""
+    return max(16, min(32, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
+
+
+def output_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
+    """(BLOCK_P, BLOCK_N) of the per-chunk kernels: the head's channels in blocks of up to 64, N in blocks of 64."""
+    return max(16, min(64, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
+
+
+def launch_ssd_states_fwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, segments: Tensor | None, initial_state: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """The state entering every chunk (fp32 [b, chunks, H, P, N]) and the final state (fp32 [b, H, P, N]), over
+    checked tensors (interface.py)."""
+    batch, length, heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    shapes = shape_args(x, B, chunk)
+    states = x.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
+    final = x.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
+    block_p, block_n = state_blocks(head_dim, state_size)
+    grid = (triton.cdiv(state_size, block_n), triton.cdiv(head_dim, block_p), batch * heads)
+    _ssd_states_fwd_kernel[grid](
+        x, dt, A, B, segments, initial_state, states, final,
+        **shapes, **common_strides(x, dt, B, segments), **stride_args("h0", initial_state, "bhpn"),
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=segments is not None, HAS_H0=initial_state is not None,
+        PRECISION=dot_precision(x), num_warps=4,
+    )  # fmt: skip
+    return states, final
+
+
+def launch_ssd_outputs_fwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, segments: Tensor | None, states: Tensor,
+    y: Tensor, chunk: int,
+) -> None:  # fmt: skip
+    """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_states_fwd`)."""
+    batch, length, heads, head_dim = x.shape
+    shapes = shape_args(x, B, chunk)
+    block_p, block_n = output_blocks(head_dim, B.shape[-1])
+    grid = (triton.cdiv(head_dim, block_p), shapes["num_chunks"], batch * heads)
+    _ssd_outputs_fwd_kernel[grid](
+        x, dt, A, B, C, D, segments, states, y,
+        **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("y", y, "bthp"),
+        BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=segments is not None, PRECISION=dot_precision(x), num_warps=4,
+    )  # fmt: skip

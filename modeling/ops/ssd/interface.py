@@ -1,0 +1,99 @@
+"""Mamba-2's chunked scan (SSD) for training on the Triton kernels of forward.py and backward.py: argument checks and
+autograd. The reference with the same arguments and results is `ssd_chunk_scan_ref` (reference.py; tests/test_ssd.py
+pairs them, gradients included).
+
+    ssd_chunk_scan_fn   x [b, T, H, P], dt [b, T, H], A [H], B and C [b, T, G, N], D [H], initial_state [b, H, P, N]
+                        or None, seq_idx [b, T] or None -> (y [b, T, H, P] in x's dtype, final state fp32 [b, H, P, N]),
+                        gradients for every floating-point input and from the final state's gradient too
+"""
+
+import torch
+from torch import Tensor
+
+from ..triton_utils import check_index, check_tokens
+from .backward import launch_ssd_chunk_scan_bwd
+from .forward import CHUNK, launch_ssd_outputs_fwd, launch_ssd_states_fwd
+
+
+def sequence_segments(seq_idx: Tensor | None) -> Tensor | None:
+    """[b, T] int32: how many sequences have started in the row before each token (0 for the row's first sequence),
+    a non-decreasing count whichever ids `seq_idx` uses: the kernels compare segments, and two tokens are in one
+    sequence exactly when no start lies between them, as the reference restarts wherever seq_idx changes."""
+    if seq_idx is None:
+        return None
+    starts = torch.zeros(seq_idx.shape, dtype=torch.int32, device=seq_idx.device)
+    starts[:, 1:] = (seq_idx[:, 1:] != seq_idx[:, :-1]).to(torch.int32)
+    return starts.cumsum(1, dtype=torch.int32)
+
+
+def check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int) -> None:
+    if x.dim() != 4:
+        raise ValueError(f"x: expected [batch, length, heads, head_dim], got {tuple(x.shape)}")
+    batch, length, heads, head_dim = x.shape
+    check_tokens("x", x, (batch, length, heads, head_dim))
+    if B.dim() != 4 or B.shape[:2] != (batch, length):
+        raise ValueError(f"B: expected [{batch}, {length}, groups, state_size], got {tuple(B.shape)}")
+    groups, state_size = B.shape[2:]
+    if heads % groups:
+        raise ValueError(f"the groups of B and C ({groups}) must divide the heads of x ({heads})")
+    check_tokens("B", B, (batch, length, groups, state_size))
+    check_tokens("C", C, (batch, length, groups, state_size))
+    if tuple(dt.shape) != (batch, length, heads) or not dt.is_floating_point():
+        raise ValueError(f"dt: expected a floating-point tensor of shape {(batch, length, heads)}, got {dt.dtype} "
+                         f"{tuple(dt.shape)}")  # fmt: skip
+    for name, tensor in (("A", A), ("D", D)):
+        if tuple(tensor.shape) != (heads,):
+            raise ValueError(f"{name}: expected shape {(heads,)}, got {tuple(tensor.shape)}")
+    if initial_state is not None and tuple(initial_state.shape) != (batch, heads, head_dim, state_size):
+        raise ValueError(
+            f"initial_state: expected shape {(batch, heads, head_dim, state_size)}, got {tuple(initial_state.shape)}"
+        )
+    if seq_idx is not None:
+        check_index("seq_idx", seq_idx, (batch, length), x)
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size: expected a power of two >= 16 (the kernels' products), got {chunk_size}")
+    if head_dim > 128:
+        raise ValueError(f"head_dim: the backward holds a head's channels in one block, at most 128, got {head_dim}")
+    for name, tensor in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("initial_state", initial_state)):
+        if tensor is not None and tensor.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device}, got one on {tensor.device}")
+
+
+class SSDChunkScanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int):
+        segments = sequence_segments(seq_idx)
+        A, D = A.contiguous(), D.contiguous()  # read as A[h], D[h]
+        initial = initial_state.float().contiguous() if initial_state is not None else None
+        states, final_state = launch_ssd_states_fwd(x, dt, A, B, segments, initial, chunk_size)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size)
+        # The states are recomputed in the backward: P*N/L fp32 values per token and head, 8x the input's bytes.
+        ctx.save_for_backward(x, dt, A, B, C, D, initial, segments)
+        ctx.initial_dtype = initial_state.dtype if initial_state is not None else None
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+        return y, final_state
+
+    @staticmethod
+    def backward(ctx, dy, d_final_state):
+        x, dt, A, B, C, D, initial, segments = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
+        states, _ = launch_ssd_states_fwd(x, dt, A, B, segments, initial, ctx.chunk_size)
+        dx, ddt, dA, dB, dC, dD, dh0 = launch_ssd_chunk_scan_bwd(
+            x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, ctx.chunk_size
+        )
+        d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
+        return dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, dD.to(D.dtype), d_initial, None, None
+
+
+def ssd_chunk_scan_fn(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
+    initial_state: Tensor | None = None, seq_idx: Tensor | None = None, chunk_size: int = CHUNK,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """`ssd_chunk_scan_ref` on the kernels (same arguments and results; the chunk is the kernels' tile, 64 unless
+    given: the result does not depend on it)."""
+    check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
+    return SSDChunkScanFunction.apply(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
