@@ -9,6 +9,7 @@ from conftest import MAMBA2_BRANCH
 from modeling import HybridStaticCache
 from modeling.history import mamba1
 from modeling.history.mamba1 import Mamba1Branch
+from modeling.history.mamba2 import Mamba2Branch
 
 pytest.importorskip("triton")
 
@@ -328,6 +329,34 @@ def test_packed_training_on_the_kernels_gives_each_sequence_its_own_loss_and_gra
         start += ids.shape[1]
     for name, param in model.named_parameters():
         torch.testing.assert_close(packed_grads[name], param.grad, atol=2e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_mamba2_training_on_the_kernels_is_the_reference_path(make_model, monkeypatch, packed):
+    """The Mamba-2 branch's training forward and backward on its kernels (the conv's and the chunked scan's; on CPU
+    machines in Triton's interpreter, handed over explicitly) against the same model on the references: logits and
+    every parameter's gradient, over rows of two chunks of the scan's kernels (64 tokens each), and over packed rows
+    (position_ids restarting: seq_idx)."""
+    if not ON_GPU:
+        monkeypatch.setattr(Mamba2Branch, "_on_kernels", lambda self, hidden: self.use_kernels)
+    kernel_model, reference_model = kernel_and_reference_models(make_model, **MAMBA2_BRANCH)
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, 97, (2, 90), generator=generator).to(DEVICE)
+    kwargs = {"labels": input_ids}
+    if packed:  # row 0: sequences of 30, 1 and 59 tokens; row 1: one sequence
+        starts = torch.tensor([0, 30, 31])
+        positions = torch.arange(90) - starts[torch.searchsorted(starts, torch.arange(90), right=True) - 1]
+        kwargs["position_ids"] = torch.stack([positions, torch.arange(90)]).to(DEVICE)
+    outputs = []
+    for model in (kernel_model, reference_model):
+        model.train()
+        out = model(input_ids, **kwargs)
+        out.loss.backward()
+        outputs.append((out.logits, {name: param.grad for name, param in model.named_parameters()}))
+    (logits, grads), (want_logits, want_grads) = outputs
+    torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], atol=2e-4, rtol=1e-3, msg=name)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Mamba-2 branch takes its kernels for CUDA tensors only")

@@ -25,13 +25,14 @@ from ..ops import (
 )
 from .branch import HistoryBranch
 
-# On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan and the
-# gated norm compiled by Inductor, the decode step's state update in its Triton kernel.
-causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan = gated_rms_norm = ssd_state_update = None
+# On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan's Triton
+# kernels, the gated norm compiled by Inductor, the decode step's state update in its Triton kernel.
+causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan_fn = gated_rms_norm = ssd_state_update = None
 if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
-    from ..ops.ssd.compiled import gated_rms_norm, ssd_chunk_scan
+    from ..ops.ssd.compiled import gated_rms_norm
     from ..ops.ssd.decode import ssd_state_update
+    from ..ops.ssd.interface import ssd_chunk_scan_fn
 
 
 class Mamba2GatedRMSNorm(nn.Module):
@@ -103,7 +104,7 @@ class Mamba2Branch(HistoryBranch):
         )
         if padding_mask is not None:
             xBC = xBC * padding_mask[..., None].to(xBC.dtype)
-        on_kernels = hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn is not None
+        on_kernels = self._on_kernels(hidden_states)
         if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past:
             return self.out_proj(self._decode_step(z, xBC, dt, layer_cache, padding_mask, on_kernels))
 
@@ -124,12 +125,12 @@ class Mamba2Branch(HistoryBranch):
             dt = dt * padding_mask[..., None].to(dt.dtype)
 
         # 4. The chunked scan from the cached state; packed sequences each start from zero. The result does not
-        #    depend on the chunk, the work does: the compiled scan picks its own, the reference takes the config's,
+        #    depend on the chunk, the work does: the kernels take their tile (64), the reference the config's chunk,
         #    no longer than the input.
         initial_state = layer_cache.recurrent_states[0] if has_history else None
         A = decay_rates(self.A_log)
         if on_kernels:
-            y, final_state = ssd_chunk_scan(x, dt, A, B, C, self.D, initial_state, seq_idx)
+            y, final_state = ssd_chunk_scan_fn(x, dt, A, B, C, self.D, initial_state, seq_idx)
         else:
             chunk = min(self.chunk_size, length)
             y, final_state = ssd_chunk_scan_ref(x, dt, A, B, C, self.D, chunk, initial_state, seq_idx)
@@ -156,6 +157,10 @@ class Mamba2Branch(HistoryBranch):
         # Row i owns cache row i.
         y = state_update(layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D)
         return self.norm(y.reshape(batch, 1, -1), z)
+
+    def _on_kernels(self, hidden_states: torch.Tensor) -> bool:
+        """The Triton kernels for CUDA tensors (Triton installed), unless the config says `use_ssm_kernels=False`."""
+        return hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn is not None
 
     def _heads_and_groups(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [..., E + 2GN] as x [..., Hs, P], B and C [..., G, N]."""

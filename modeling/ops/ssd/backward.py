@@ -58,14 +58,18 @@ def _ssd_states_bwd_kernel(
     for i_back in range(num_chunks):
         i_c = num_chunks - 1 - i_back
         tl.store(p_dstates + i_c * H * P * N, b_dh, mask=m_pn)
-        o_t, t, m_t, _, b_G, is_last, continues, _, _, carried = _chunk_decays(
+        _, t, m_t, _, b_G, is_last, continues, _, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
         G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
         b_e = tl.where(continues, tl.exp(b_G), 0.0)
-        b_dyT = tl.load(p_dy + o_p[:, None] * s_dy_p + t[None, :] * s_dy_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0)
+        b_dyT = tl.load(
+            p_dy + o_p[:, None] * s_dy_p + t[None, :] * s_dy_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
+        )
         b_dyeT = (b_dyT.to(tl.float32) * b_e[None, :]).to(dot_dtype)
-        b_Cc = tl.load(p_C + t[:, None] * s_C_t + o_n[None, :] * s_C_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0)
+        b_Cc = tl.load(
+            p_C + t[:, None] * s_C_t + o_n[None, :] * s_C_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
+        )
         b_dh = tl.where(carried, tl.exp(G_last), 0.0) * b_dh
         b_dh += tl.dot(b_dyeT, b_Cc.to(dot_dtype), input_precision=PRECISION)
     if HAS_H0:
@@ -131,17 +135,17 @@ def _ssd_chunk_bwd_kernel(
 
     # 2. dS = dy xdt^T and its transpose; G's gradient within the chunk; the intra-chunk term of dxdt
     b_dy = tl.load(p_dy + t[:, None] * s_dy_t + o_p[None, :] * s_dy_p, mask=m_tp, other=0.0).to(dot_dtype)
-    b_xT = tl.load(p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=m_pt, other=0.0)
-    b_xdtT = (b_xT.to(tl.float32) * b_dt[None, :]).to(dot_dtype)
+    # dt_j scales a column of dS (a row of its transpose) after the product: x and dy are the inputs' own values,
+    # exact as operands, where x * dt would round
+    b_xT = tl.load(p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=m_pt, other=0.0).to(dot_dtype)
     b_M = _intra_chunk_decays(o_t, m_t, b_G, b_seg, False)
-    b_dSM = tl.dot(b_dy, b_xdtT, input_precision=PRECISION) * b_M  # [i, j]
+    b_dSM = tl.dot(b_dy, b_xT, input_precision=PRECISION) * (b_M * b_dt[None, :])  # [i, j]
     b_Q = b_S * b_dSM
     b_dG = tl.sum(b_Q, 1) - tl.sum(b_Q, 0)
-    b_x = tl.load(p_x + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0).to(tl.float32)
-    b_xdt = (b_x * b_dt[:, None]).to(dot_dtype)
+    b_x = tl.load(p_x + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0).to(dot_dtype)
     b_dyT = tl.load(p_dy + o_p[:, None] * s_dy_p + t[None, :] * s_dy_t, mask=m_pt, other=0.0).to(dot_dtype)
     b_MT = _intra_chunk_decays(o_t, m_t, b_G, b_seg, True)
-    b_dSMT = (tl.dot(b_xdt, b_dyT, input_precision=PRECISION) * b_MT).to(dot_dtype)  # [j, i]
+    b_dSMT = (tl.dot(b_x, b_dyT, input_precision=PRECISION) * (b_MT * b_dt[:, None])).to(dot_dtype)  # [j, i]
     b_dxdt += tl.dot((b_ST * b_MT).to(dot_dtype), b_dy, input_precision=PRECISION)
     b_dSM = b_dSM.to(dot_dtype)
 
@@ -158,7 +162,7 @@ def _ssd_chunk_bwd_kernel(
         b_dC = tl.dot(b_dy, b_h.to(dot_dtype), input_precision=PRECISION) * b_e[:, None]
         b_dG += tl.sum(b_Cc.to(tl.float32) * b_dC, 1)
         b_dC += tl.dot(b_dSM, b_Bc.to(dot_dtype), input_precision=PRECISION)
-        b_dB = tl.dot(b_xdt, b_dH.to(dot_dtype), input_precision=PRECISION) * b_w[:, None]
+        b_dB = tl.dot(b_x, b_dH.to(dot_dtype), input_precision=PRECISION) * (b_w * b_dt)[:, None]
         b_to_end = tl.sum(b_Bc.to(tl.float32) * b_dB, 1)
         b_dG -= b_to_end
         to_last += tl.sum(b_to_end, 0) + carry * tl.sum(tl.sum(b_h * b_dH, 1), 0)
@@ -216,7 +220,7 @@ def launch_ssd_chunk_scan_bwd(
         x, dt, A, B, C, D, segments, states, dstates, dy,
         dx, ddt, dB_heads, dC_heads, dA_parts, dD_parts,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
-        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, min(64, triton.next_power_of_2(state_size))),
+        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, min(32, triton.next_power_of_2(state_size))),
         HAS_SEQ=segments is not None, PRECISION=precision, num_warps=8,
     )  # fmt: skip
     group_sum = (batch, length, groups, heads // groups, state_size)

@@ -111,15 +111,19 @@ def _ssd_states_fwd_kernel(
         b_h = tl.load(p_h0, mask=m_pn, other=0.0).to(tl.float32)
     for i_c in range(num_chunks):
         tl.store(p_states + i_c * H * P * N, b_h, mask=m_pn)
-        o_t, t, m_t, b_dt, b_G, is_last, _, reaches_end, _, carried = _chunk_decays(
+        _, t, m_t, b_dt, b_G, is_last, _, reaches_end, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
         G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
         b_w = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0) * b_dt  # [L]: w_j dt_j
         # x_j^T [P, L], loaded transposed, times w_j dt_j
-        b_xT = tl.load(p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0)
+        b_xT = tl.load(
+            p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
+        )
         b_xwT = (b_xT.to(tl.float32) * b_w[None, :]).to(dot_dtype)
-        b_Bc = tl.load(p_B + t[:, None] * s_B_t + o_n[None, :] * s_B_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0)
+        b_Bc = tl.load(
+            p_B + t[:, None] * s_B_t + o_n[None, :] * s_B_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
+        )
         b_h = tl.where(carried, tl.exp(G_last), 0.0) * b_h
         b_h += tl.dot(b_xwT, b_Bc.to(dot_dtype), input_precision=PRECISION)
     p_final += (i_b * H + i_h) * P * N + o_pn
@@ -170,10 +174,9 @@ def _ssd_outputs_fwd_kernel(
     b_M = _intra_chunk_decays(o_t, m_t, b_G, b_seg, False)
     m_tp = m_t[:, None] & m_p[None, :]
     b_x = tl.load(p_x + i_b * s_x_b + i_h * s_x_h + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0)
-    b_x = b_x.to(tl.float32)
-    b_xdt = (b_x * b_dt[:, None]).to(dot_dtype)
-    b_y += tl.dot((b_S * b_M).to(dot_dtype), b_xdt, input_precision=PRECISION)
-    b_y += tl.load(p_D + i_h).to(tl.float32) * b_x
+    # dt_j scales column j of the decays (x stays an exact operand; x * dt would round)
+    b_y += tl.dot((b_S * b_M * b_dt[None, :]).to(dot_dtype), b_x.to(dot_dtype), input_precision=PRECISION)
+    b_y += tl.load(p_D + i_h).to(tl.float32) * b_x.to(tl.float32)
     p_y += i_b * s_y_b + i_h * s_y_h + t[:, None] * s_y_t + o_p[None, :] * s_y_p
     tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_tp)
 
@@ -184,7 +187,7 @@ def dot_precision(x: Tensor) -> str:
 
 
 def shape_args(x: Tensor, B: Tensor, chunk: int) -> dict:
-    batch, length, heads, head_dim = x.shape
+    _, length, heads, head_dim = x.shape
     return {
         "T": length,
         "H": heads,
@@ -221,7 +224,7 @@ def launch_ssd_states_fwd(
 ) -> tuple[Tensor, Tensor]:
     """The state entering every chunk (fp32 [b, chunks, H, P, N]) and the final state (fp32 [b, H, P, N]), over
     checked tensors (interface.py)."""
-    batch, length, heads, head_dim = x.shape
+    batch, _, heads, head_dim = x.shape
     state_size = B.shape[-1]
     shapes = shape_args(x, B, chunk)
     states = x.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
@@ -242,7 +245,7 @@ def launch_ssd_outputs_fwd(
     y: Tensor, chunk: int,
 ) -> None:  # fmt: skip
     """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_states_fwd`)."""
-    batch, length, heads, head_dim = x.shape
+    batch, _, heads, head_dim = x.shape
     shapes = shape_args(x, B, chunk)
     block_p, block_n = output_blocks(head_dim, B.shape[-1])
     grid = (triton.cdiv(head_dim, block_p), shapes["num_chunks"], batch * heads)
