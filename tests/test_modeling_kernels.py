@@ -359,6 +359,25 @@ def test_mamba2_training_on_the_kernels_is_the_reference_path(make_model, monkey
         torch.testing.assert_close(grad, want_grads[name], atol=2e-4, rtol=1e-3, msg=name)
 
 
+def test_mamba2_heads_wider_than_the_scan_kernels_take_run_the_reference_scan(make_model, monkeypatch):
+    """ssm_head_dim above what the scan's kernels hold (128): the branch keeps its other kernels and runs the scan's
+    reference, with a warning, instead of failing in the middle of training."""
+    from modeling.ops.ssd.forward import MAX_HEAD_DIM
+
+    if not ON_GPU:
+        monkeypatch.setattr(Mamba2Branch, "_on_kernels", lambda self, hidden: self.use_kernels)
+    wide = {
+        **MAMBA2_BRANCH,
+        "ssm_intermediate_size": MAX_HEAD_DIM + 8,
+        "ssm_head_dim": MAX_HEAD_DIM + 8,
+        "ssm_n_groups": 1,
+    }
+    kernel_model, reference_model = kernel_and_reference_models(make_model, **wide)
+    input_ids = torch.randint(3, 97, (1, 20), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(kernel_model(input_ids).logits, reference_model(input_ids).logits)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the Mamba-2 branch takes its kernels for CUDA tensors only")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_mamba2_generation_on_the_kernels_is_the_reference_paths(make_model, cache):

@@ -2,7 +2,7 @@
 `MambaMixer2` compute it, with the gated norm grouped as mamba_ssm groups it. Heads of P channels share one decay
 each, B and C are shared within groups of heads; the scan's state is [Hs, P, N] per sequence. Its ops: the causal
 conv of modeling/ops/causal_conv1d (over the E + 2GN channels of x, B and C) and modeling/ops/ssd (the references,
-and on CUDA the chunked scan and the norm compiled)."""
+and on CUDA the chunked scan's and the decode update's Triton kernels and the norm compiled)."""
 
 import importlib.util
 import math
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
+from transformers.utils import logging
 
 from configuration import HybridConfig
 
@@ -25,6 +26,8 @@ from ..ops import (
 )
 from .branch import HistoryBranch
 
+logger = logging.get_logger(__name__)
+
 # On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan's Triton
 # kernels, the gated norm compiled by Inductor, the decode step's state update in its Triton kernel.
 causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan_fn = gated_rms_norm = ssd_state_update = None
@@ -32,6 +35,7 @@ if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
     from ..ops.ssd.compiled import gated_rms_norm
     from ..ops.ssd.decode import ssd_state_update
+    from ..ops.ssd.forward import MAX_HEAD_DIM
     from ..ops.ssd.interface import ssd_chunk_scan_fn
 
 
@@ -129,9 +133,14 @@ class Mamba2Branch(HistoryBranch):
         #    no longer than the input.
         initial_state = layer_cache.recurrent_states[0] if has_history else None
         A = decay_rates(self.A_log)
-        if on_kernels:
+        if on_kernels and self.head_dim <= MAX_HEAD_DIM:
             y, final_state = ssd_chunk_scan_fn(x, dt, A, B, C, self.D, initial_state, seq_idx)
         else:
+            if on_kernels:
+                logger.warning_once(
+                    f"The Mamba-2 branch's scan runs its PyTorch reference: its kernels take heads of up to "
+                    f"{MAX_HEAD_DIM} channels, this model's have ssm_head_dim={self.head_dim}."
+                )
             chunk = min(self.chunk_size, length)
             y, final_state = ssd_chunk_scan_ref(x, dt, A, B, C, self.D, chunk, initial_state, seq_idx)
         if past_key_values is not None:

@@ -5,8 +5,12 @@ reference.py   the plain-PyTorch references: the recurrence token by token (`ssd
                (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
                (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
 
-compiled.py    the scan and the norm on CUDA: their references compiled by TorchInductor (`ssd_chunk_scan`,
-               `gated_rms_norm`; import it where they are used, as the other ops' kernel modules)
+forward.py     the chunked scan's training forward kernels (the states entering each chunk, then the outputs)
+backward.py    its backward kernels (the state gradients, then every input's gradient per chunk)
+interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract; import it
+               where it is used, as the other ops' kernel modules)
+
+compiled.py    the gated norm on CUDA: its reference compiled by TorchInductor (`gated_rms_norm`)
 
 decode.py      the decode update's Triton kernel (`ssd_state_update`, the reference's contract; a custom op under
                torch.compile)

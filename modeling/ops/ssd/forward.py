@@ -32,6 +32,8 @@ from torch import Tensor
 from ..triton_utils import stride_args
 
 CHUNK = 64
+# The widest head the kernels take: the backward holds a head's channels in one block.
+MAX_HEAD_DIM = 128
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..triton_utils import check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
-from .forward import CHUNK, launch_ssd_outputs_fwd, launch_ssd_states_fwd
+from .forward import CHUNK, MAX_HEAD_DIM, launch_ssd_outputs_fwd, launch_ssd_states_fwd
 from .reference import ssd_chunk_scan_ref
 
 
@@ -54,8 +54,10 @@ def check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int)
         check_index("seq_idx", seq_idx, (batch, length), x)
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size: expected a power of two >= 16 (the kernels' products), got {chunk_size}")
-    if head_dim > 128:
-        raise ValueError(f"head_dim: the backward holds a head's channels in one block, at most 128, got {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim: the backward holds a head's channels in one block, at most {MAX_HEAD_DIM}, got {head_dim}"
+        )
     for name, tensor in (("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("initial_state", initial_state)):
         if tensor is not None and tensor.device != x.device:
             raise ValueError(f"{name}: expected a tensor on {x.device}, got one on {tensor.device}")
