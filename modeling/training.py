@@ -377,6 +377,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     start.add_argument("--config", help="HybridConfig JSON to train from scratch (default: the small recall model)")
     start.add_argument("--model", help="save_pretrained checkpoint to fine-tune")
     parser.add_argument("--text-file", help="train on this text file instead of the recall task")
+    parser.add_argument(
+        "--recall-pairs", type=int, default=1,
+        help="key/value pairs per recall sample, every one asked (> 1: multi-query associative recall)",
+    )  # fmt: skip
     parser.add_argument("--tokenizer", help="tokenizer directory for --text-file (default: the --model's)")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per text-file example")
     parser.add_argument("--output-dir", required=True)
@@ -433,7 +437,9 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         examples = text_file_examples(args.text_file, tokenizer, args.block_size)
     else:
-        task = RecallTask()
+        if args.recall_pairs < 1 or args.recall_pairs > RecallTask.num_keys:
+            raise SystemExit(f"error: --recall-pairs takes 1 to {RecallTask.num_keys} (the task's keys)")
+        task = RecallTask(num_pairs=args.recall_pairs)
         tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else task.build_tokenizer()
         examples = task.sample_examples(tokenizer, args.steps * args.batch_size, seed=args.seed)
 

@@ -96,6 +96,24 @@ def test_train_no_ssm_from_a_config_with_branch_norm_trains_the_attention_only_c
     assert saved["use_ssm_branch"] is False and saved["ssm_branch_norm"] is True
 
 
+def test_train_recall_pairs_trains_multi_query_recall_and_refuses_more_pairs_than_keys(tmp_path, capsys, monkeypatch):
+    """`--recall-pairs 4`: the samples the model trains on bind and ask four pairs; more pairs than the task's keys
+    is refused with an error line."""
+    asked = []
+    sample_examples = RecallTask.sample_examples
+
+    def recording(self, tokenizer, num_examples, seed):
+        asked.append(self.num_pairs)
+        return sample_examples(self, tokenizer, num_examples, seed)
+
+    monkeypatch.setattr(RecallTask, "sample_examples", recording)
+    out = tmp_path / "mqar"
+    training.main(["--recall-pairs", "4", "--steps", "1", "--batch-size", "2", "--output-dir", str(out)])
+    assert asked == [4, 4] and "recall accuracy" in capsys.readouterr().out  # training, then held-out samples
+    with pytest.raises(SystemExit, match="--recall-pairs takes 1 to 8"):
+        training.main(["--recall-pairs", "9", "--steps", "1", "--output-dir", str(tmp_path / "refused")])
+
+
 def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
     out = tmp_path / "scratch"
     training.main(["--output-dir", str(out), "--steps", "3", "--batch-size", "4"])
