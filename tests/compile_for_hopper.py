@@ -165,19 +165,20 @@ def mamba2_decode_kernel():
 
 def mamba2_training_scan():
     """Mamba-2's chunked scan as the branch's training step calls it: x, B and C bf16 views of the conv's output
-    (the model's shapes: heads of 64 channels, N 128, one group and eight), the step in fp32, forward and backward,
-    with an initial state and packed rows."""
+    (the model's shapes: heads of 64 channels, N 128, one group and eight), the step in fp32, forward and backward;
+    with an initial state, packed rows and the final state's gradient, and without them; and fp32 inputs."""
     from modeling.ops.ssd.interface import ssd_chunk_scan_fn
 
     batch, length, heads, head_dim, state = 2, 200, 8, 64, 128
-    for groups in (1, 8):
-        conv_out = torch.randn(batch, length, heads * head_dim + 2 * groups * state, dtype=torch.bfloat16)
+    seq_idx = (torch.arange(length) >= 70).to(torch.int32).expand(batch, length).contiguous()
+    for groups, dtype, packed in ((1, torch.bfloat16, True), (8, torch.bfloat16, False), (1, torch.float32, True)):
+        conv_out = torch.randn(batch, length, heads * head_dim + 2 * groups * state, dtype=dtype)
         x = conv_out[..., : heads * head_dim].unflatten(-1, (heads, head_dim)).requires_grad_()
         B, C = conv_out[..., heads * head_dim :].unflatten(-1, (2, groups, state)).unbind(2)
         dt, A, D = torch.rand(batch, length, heads), -torch.rand(heads), torch.randn(heads)
-        seq_idx = (torch.arange(length) >= 70).to(torch.int32).expand(batch, length).contiguous()
-        y, _ = ssd_chunk_scan_fn(x, dt, A, B, C, D, torch.randn(batch, heads, head_dim, state), seq_idx)
-        y.backward(torch.randn_like(y))
+        initial_state = torch.randn(batch, heads, head_dim, state) if packed else None
+        y, final_state = ssd_chunk_scan_fn(x, dt, A, B, C, D, initial_state, seq_idx if packed else None)
+        (y.float().sum() + (final_state.sum() if packed else 0)).backward()
 
 
 CASES = (

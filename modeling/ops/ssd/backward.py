@@ -39,7 +39,7 @@ def _ssd_states_bwd_kernel(
     HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_n, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,7 +57,7 @@ def _ssd_states_bwd_kernel(
         b_dh = tl.load(p_dfinal + (i_b * H + i_h) * P * N + o_pn, mask=m_pn, other=0.0)
     for i_back in range(num_chunks):
         i_c = num_chunks - 1 - i_back
-        tl.store(p_dstates + i_c * H * P * N, b_dh, mask=m_pn)
+        tl.store(p_dstates + tl.cast(i_c, tl.int64) * H * P * N, b_dh, mask=m_pn)
         _, t, m_t, _, b_G, is_last, continues, _, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
@@ -91,7 +91,7 @@ def _ssd_chunk_bwd_kernel(
     HAS_SEQ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
     a = tl.load(p_A + i_h).to(tl.float32)
     dot_dtype = p_x.dtype.element_ty

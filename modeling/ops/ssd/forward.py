@@ -47,7 +47,7 @@ def _chunk_decays(
     chunk), reaches_end (i is in the segment of the chunk's last token); the segment numbers (zeros without
     `seq_idx`) and whether the state entering the chunk passes the whole chunk (`carried`)."""
     o_t = tl.arange(0, L)
-    t = i_c * L + o_t
+    t = tl.cast(i_c, tl.int64) * L + o_t
     m_t = t < T
     b_dt = tl.load(p_dt + i_b * s_dt_b + t * s_dt_t + i_h * s_dt_h, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.cumsum(b_dt * a, 0)
@@ -94,7 +94,7 @@ def _ssd_states_fwd_kernel(
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_n, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -112,7 +112,7 @@ def _ssd_states_fwd_kernel(
         p_h0 += i_b * s_h0_b + i_h * s_h0_h + o_p[:, None] * s_h0_p + o_n[None, :] * s_h0_n
         b_h = tl.load(p_h0, mask=m_pn, other=0.0).to(tl.float32)
     for i_c in range(num_chunks):
-        tl.store(p_states + i_c * H * P * N, b_h, mask=m_pn)
+        tl.store(p_states + tl.cast(i_c, tl.int64) * H * P * N, b_h, mask=m_pn)
         _, t, m_t, b_dt, b_G, is_last, _, reaches_end, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
@@ -146,7 +146,7 @@ def _ssd_outputs_fwd_kernel(
     HAS_SEQ: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_p, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
+    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     m_p = o_p < P
