@@ -276,6 +276,17 @@ def bench_ssd(args) -> list[Row]:
 
     mamba1_err = rel_err(selective_scan_fn(*mamba1_inputs)[0], selective_scan_ref(*mamba1_inputs)[0])
     mamba1_ms = median_ms(mamba1_fwd_bwd)
+
+    # One prompt's prefill through generate() (no grad): --ssd-prefill-len tokens, the same heads
+    prefill_len = args.ssd_prefill_len
+    prefill = [randn(1, prefill_len, heads, head_dim), F.softplus(randn(1, prefill_len, heads, dtype=torch.float32) - 3),
+               A.detach(), randn(1, prefill_len, 1, state), randn(1, prefill_len, 1, state), D.detach()]  # fmt: skip
+    prefill_shape = f"B=1 T={prefill_len} H={heads} P={head_dim} N={state} G=1 L={chunk}"
+    mamba1_prefill = scan_inputs(1, prefill_len, channels, 16)
+    with torch.no_grad():
+        prefill_err = rel_err(ssd_chunk_scan_fn(*prefill)[0], reference(*prefill)[0])
+        prefill_ms = median_ms(lambda: ssd_chunk_scan_fn(*prefill))
+        mamba1_prefill_ms = median_ms(lambda: selective_scan_fn(*mamba1_prefill))
     return [
         Row("ssd", "Triton fwd", shape, fwd_ms, flops=fwd_flops, rel_err=errs["y"]),
         Row("ssd", "Triton fwd+bwd", shape, fb_ms, flops=3 * fwd_flops, rel_err=max(errs.values()),
@@ -286,6 +297,10 @@ def bench_ssd(args) -> list[Row]:
         Row("ssd", "eager reference fwd+bwd", shape, ref_fb_ms, flops=3 * fwd_flops),
         Row("ssd", "Mamba-1 Triton scan fwd+bwd (anchor)", f"B={batch} T={seq_len} E={channels} N=16", mamba1_ms,
             rel_err=mamba1_err),
+        Row("ssd", "Triton fwd, one prompt's prefill (no grad)", prefill_shape, prefill_ms, rel_err=prefill_err,
+            note=f"{mamba1_prefill_ms / prefill_ms:.2f}x the Mamba-1 scan's speed"),
+        Row("ssd", "Mamba-1 Triton scan fwd, same prefill (anchor)", f"B=1 T={prefill_len} E={channels} N=16",
+            mamba1_prefill_ms),
     ]  # fmt: skip
 
 
@@ -1006,6 +1021,7 @@ def main():
     parser.add_argument("--scan-channels", type=int, default=1024)
     parser.add_argument("--ssd-channels", type=int, default=2048, help="E of the Mamba-2 scan (heads of 64)")
     parser.add_argument("--ssd-state", type=int, default=128)
+    parser.add_argument("--ssd-prefill-len", type=int, default=8192, help="tokens of the Mamba-2 prefill row")
     parser.add_argument("--serve-channels", type=int, default=4096, help="E of the serving benchmarks")
     parser.add_argument("--prefill-seqs", type=int, default=8)
     parser.add_argument("--prefill-seq-len", type=int, default=2048)
