@@ -13,9 +13,8 @@ and G's gradient goes to the steps by a reversed cumulative sum within the chunk
 ddt_t = dxdt_t . x_t + dg_t A and dA = sum_t dg_t dt_t. B and C are per group: each head's share is written and the
 launcher sums a group's heads.
 
-Two launches after the states are recomputed (forward.py's first kernel): the state gradients, sequential over the
-chunks (one program per row and head, block of P, block of N), then one program per (chunk, row and head) for all the
-rest, over the head's P channels at once and N in blocks.
+Three launches: the states recomputed and their gradients walked back (forward.py's walk, both directions), then one
+program per (chunk, row and head) for all the rest, over the head's P channels at once and N in blocks.
 """
 
 import torch
@@ -24,56 +23,14 @@ import triton.language as tl
 from torch import Tensor
 
 from ..triton_utils import stride_args
-from .forward import _chunk_decays, _intra_chunk_decays, common_strides, dot_precision, shape_args, state_blocks
-
-
-@triton.jit
-def _ssd_states_bwd_kernel(
-    p_dy, p_dt, p_A, p_C, p_seg, p_dfinal, p_dstates, p_dh0,
-    T, H, P, N, num_chunks, heads_per_group,
-    s_dy_b, s_dy_t, s_dy_h, s_dy_p,
-    s_dt_b, s_dt_t, s_dt_h,
-    s_C_b, s_C_t, s_C_g, s_C_n,
-    s_seg_b, s_seg_t,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    i_n, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
-    i_g = i_h // heads_per_group
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
-    a = tl.load(p_A + i_h).to(tl.float32)
-    dot_dtype = p_dy.dtype.element_ty
-    p_dy += i_b * s_dy_b + i_h * s_dy_h
-    p_C += i_b * s_C_b + i_g * s_C_g
-    # dstates, dfinal and dh0: contiguous [b, chunks, H, P, N] and [b, H, P, N]
-    o_pn = o_p[:, None] * N + o_n[None, :]
-    p_dstates += (i_b * num_chunks * H + i_h) * P * N + o_pn
-
-    b_dh = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    if HAS_DFINAL:
-        b_dh = tl.load(p_dfinal + (i_b * H + i_h) * P * N + o_pn, mask=m_pn, other=0.0)
-    for i_back in range(num_chunks):
-        i_c = num_chunks - 1 - i_back
-        tl.store(p_dstates + tl.cast(i_c, tl.int64) * H * P * N, b_dh, mask=m_pn)
-        _, t, m_t, _, b_G, is_last, continues, _, _, carried = _chunk_decays(
-            p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
-        )
-        G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
-        b_e = tl.where(continues, tl.exp(b_G), 0.0)
-        b_dyT = tl.load(
-            p_dy + o_p[:, None] * s_dy_p + t[None, :] * s_dy_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
-        )
-        b_dyeT = (b_dyT.to(tl.float32) * b_e[None, :]).to(dot_dtype)
-        b_Cc = tl.load(
-            p_C + t[:, None] * s_C_t + o_n[None, :] * s_C_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
-        )
-        b_dh = tl.where(carried, tl.exp(G_last), 0.0) * b_dh
-        b_dh += tl.dot(b_dyeT, b_Cc.to(dot_dtype), input_precision=PRECISION)
-    if HAS_H0:
-        tl.store(p_dh0 + (i_b * H + i_h) * P * N + o_pn, b_dh, mask=m_pn)
+from .forward import (
+    _chunk_decays,
+    _intra_chunk_decays,
+    common_strides,
+    dot_precision,
+    launch_ssd_chunk_walk,
+    shape_args,
+)
 
 
 @triton.jit
@@ -197,18 +154,9 @@ def launch_ssd_chunk_scan_bwd(
     groups, state_size = B.shape[2:]
     shapes = shape_args(x, B, chunk)
     num_chunks = shapes["num_chunks"]
-    dstates = torch.empty_like(states)
-    dh0 = x.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32) if has_initial_state else None
-    precision = dot_precision(x)
-    block_p, block_n = state_blocks(head_dim, state_size)
-    grid = (triton.cdiv(state_size, block_n), triton.cdiv(head_dim, block_p), batch * heads)
-    _ssd_states_bwd_kernel[grid](
-        dy, dt, A, C, segments, dfinal, dstates, dh0,
-        **shapes, **stride_args("dy", dy, "bthp"), **stride_args("dt", dt, "bth"), **stride_args("C", C, "btgn"),
-        **stride_args("seg", segments, "bt"),
-        BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=segments is not None, HAS_DFINAL=dfinal is not None,
-        HAS_H0=has_initial_state, PRECISION=precision, num_warps=4,
-    )  # fmt: skip
+    dstates, dh0 = launch_ssd_chunk_walk(
+        dy, dt, A, C, segments, dfinal, chunk, reverse=True, with_end=has_initial_state
+    )
 
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     ddt = x.new_empty(batch, length, heads, dtype=torch.float32)
@@ -221,7 +169,7 @@ def launch_ssd_chunk_scan_bwd(
         dx, ddt, dB_heads, dC_heads, dA_parts, dD_parts,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
         BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, min(32, triton.next_power_of_2(state_size))),
-        HAS_SEQ=segments is not None, PRECISION=precision, num_warps=8,
+        HAS_SEQ=segments is not None, PRECISION=dot_precision(x), num_warps=8,
     )  # fmt: skip
     group_sum = (batch, length, groups, heads // groups, state_size)
     dB = dB_heads.view(group_sum).sum(3).to(B.dtype)

@@ -6,9 +6,10 @@ the chunk's start to token i, fp32, computed in each program from dt), xdt_j = x
     state entering chunk c+1:  H_{c+1} = a_c H_c + sum_j w_j xdt_j B_j^T          [P, N]
     output:                    y_i = e_i H_c C_i + sum_{j <= i} M_ij (C_i . B_j) xdt_j + D x_i
 with a_c = exp(G_last), w_j = exp(G_last - G_j), e_i = exp(G_i), M_ij = exp(G_i - G_j). Two launches:
-    states  one program per (row and head, block of P, block of N) walks the chunks in order, storing the state
+    walk    one program per (row and head, block of P, block of N) walks the chunks in order, storing the state
             entering each chunk (fp32 [b, chunks, H, P, N]) and the final state         (sequential over chunks)
     outputs one program per (row and head, chunk, block of P): the two terms of y        (all chunks in parallel)
+The walk is one kernel for both directions: the backward walks the state gradients back with it.
 The backward (backward.py) recomputes the states rather than keeping them: they are P*N/L fp32 values per token and
 head, 8x the input's bytes at P 64, N 128, L 64.
 
@@ -82,17 +83,23 @@ def _intra_chunk_decays(o_t, m_t, b_G, b_seg, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _ssd_states_fwd_kernel(
-    p_x, p_dt, p_A, p_B, p_seg, p_h0, p_states, p_final,
+def _ssd_chunk_walk_kernel(
+    p_u, p_dt, p_A, p_K, p_seg, p_start, p_walk, p_end,
     T, H, P, N, num_chunks, heads_per_group,
-    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_u_b, s_u_t, s_u_h, s_u_p,
     s_dt_b, s_dt_t, s_dt_h,
-    s_B_b, s_B_t, s_B_g, s_B_n,
+    s_K_b, s_K_t, s_K_g, s_K_n,
     s_seg_b, s_seg_t,
-    s_h0_b, s_h0_h, s_h0_p, s_h0_n,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, PRECISION: tl.constexpr,
+    s_start_b, s_start_h, s_start_p, s_start_n,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_START: tl.constexpr, HAS_END: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """carry <- a_c carry + sum_i weight_i u_i K_i^T over the chunks, storing the carry before each chunk's update in
+    `walk` [b, chunks, H, P, N] and the last in `end` [b, H, P, N] (both fp32, contiguous):
+        forward  (u, K) = (x, B), weight_j = w_j dt_j, chunks in order from the initial state: the states entering
+                 each chunk, then the final state;
+        REVERSE  (u, K) = (dy, C), weight_i = e_i, chunks backwards from the final state's gradient: the gradients
+                 of the states at each chunk's end, then the initial state's gradient."""
     i_n, i_p, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
@@ -100,36 +107,39 @@ def _ssd_states_fwd_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
     a = tl.load(p_A + i_h).to(tl.float32)
-    dot_dtype = p_x.dtype.element_ty
-    p_x += i_b * s_x_b + i_h * s_x_h
-    p_B += i_b * s_B_b + i_g * s_B_g
-    # states and final: contiguous [b, chunks, H, P, N] and [b, H, P, N]
+    dot_dtype = p_u.dtype.element_ty
+    p_u += i_b * s_u_b + i_h * s_u_h
+    p_K += i_b * s_K_b + i_g * s_K_g
     o_pn = o_p[:, None] * N + o_n[None, :]
-    p_states += (i_b * num_chunks * H + i_h) * P * N + o_pn
+    p_walk += (i_b * num_chunks * H + i_h) * P * N + o_pn
 
-    b_h = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    if HAS_H0:
-        p_h0 += i_b * s_h0_b + i_h * s_h0_h + o_p[:, None] * s_h0_p + o_n[None, :] * s_h0_n
-        b_h = tl.load(p_h0, mask=m_pn, other=0.0).to(tl.float32)
-    for i_c in range(num_chunks):
-        tl.store(p_states + tl.cast(i_c, tl.int64) * H * P * N, b_h, mask=m_pn)
-        _, t, m_t, b_dt, b_G, is_last, _, reaches_end, _, carried = _chunk_decays(
+    b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if HAS_START:
+        p_start += i_b * s_start_b + i_h * s_start_h + o_p[:, None] * s_start_p + o_n[None, :] * s_start_n
+        b_carry = tl.load(p_start, mask=m_pn, other=0.0).to(tl.float32)
+    for i_step in range(num_chunks):
+        i_c = num_chunks - 1 - i_step if REVERSE else i_step
+        tl.store(p_walk + tl.cast(i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
+        _, t, m_t, b_dt, b_G, is_last, continues, reaches_end, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
         G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
-        b_w = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0) * b_dt  # [L]: w_j dt_j
-        # x_j^T [P, L], loaded transposed, times w_j dt_j
-        b_xT = tl.load(
-            p_x + o_p[:, None] * s_x_p + t[None, :] * s_x_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
+        if REVERSE:
+            b_weight = tl.where(continues, tl.exp(b_G), 0.0)
+        else:
+            b_weight = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0) * b_dt
+        # u^T [P, L], loaded transposed, times the weights
+        b_uT = tl.load(
+            p_u + o_p[:, None] * s_u_p + t[None, :] * s_u_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
         )
-        b_xwT = (b_xT.to(tl.float32) * b_w[None, :]).to(dot_dtype)
-        b_Bc = tl.load(
-            p_B + t[:, None] * s_B_t + o_n[None, :] * s_B_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
+        b_uwT = (b_uT.to(tl.float32) * b_weight[None, :]).to(dot_dtype)
+        b_Kc = tl.load(
+            p_K + t[:, None] * s_K_t + o_n[None, :] * s_K_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
         )
-        b_h = tl.where(carried, tl.exp(G_last), 0.0) * b_h
-        b_h += tl.dot(b_xwT, b_Bc.to(dot_dtype), input_precision=PRECISION)
-    p_final += (i_b * H + i_h) * P * N + o_pn
-    tl.store(p_final, b_h, mask=m_pn)
+        b_carry = tl.where(carried, tl.exp(G_last), 0.0) * b_carry
+        b_carry += tl.dot(b_uwT, b_Kc.to(dot_dtype), input_precision=PRECISION)
+    if HAS_END:
+        tl.store(p_end + (i_b * H + i_h) * P * N + o_pn, b_carry, mask=m_pn)
 
 
 @triton.jit
@@ -211,7 +221,7 @@ def common_strides(x: Tensor, dt: Tensor, B: Tensor, segments: Tensor | None) ->
 
 
 def state_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_N) of the sequential state kernels: 32 x 64 tiles, so that a [b, H] launch still has
+    """(BLOCK_P, BLOCK_N) of the walk over the chunks: 32 x 64 tiles, so that a [b, H] launch still has
     b * H * cdiv(P, 32) * cdiv(N, 64) programs (256 at b 2, H 32, P 64, N 128). tl.dot's tiles are at least 16."""
     return max(16, min(32, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
 
@@ -221,32 +231,36 @@ def output_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
     return max(16, min(64, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
 
 
-def launch_ssd_states_fwd(
-    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, segments: Tensor | None, initial_state: Tensor | None, chunk: int
-) -> tuple[Tensor, Tensor]:
-    """The state entering every chunk (fp32 [b, chunks, H, P, N]) and the final state (fp32 [b, H, P, N]), over
-    checked tensors (interface.py)."""
-    batch, _, heads, head_dim = x.shape
-    state_size = B.shape[-1]
-    shapes = shape_args(x, B, chunk)
-    states = x.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
-    final = x.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32)
+def launch_ssd_chunk_walk(
+    u: Tensor, dt: Tensor, A: Tensor, K: Tensor, segments: Tensor | None, start: Tensor | None, chunk: int,
+    reverse: bool, with_end: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The walk over the chunks (`_ssd_chunk_walk_kernel`) over checked tensors: the states entering every chunk and
+    the final state from (x, B) and the initial state, or with `reverse` the gradients of the states at every chunk's
+    end and of the initial state from (dy, C) and the final state's gradient. Returns (walk fp32 [b, chunks, H, P, N],
+    end fp32 [b, H, P, N] or None without `with_end`)."""
+    batch, _, heads, head_dim = u.shape
+    state_size = K.shape[-1]
+    shapes = shape_args(u, K, chunk)
+    walk = u.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
+    end = u.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32) if with_end else None
     block_p, block_n = state_blocks(head_dim, state_size)
     grid = (triton.cdiv(state_size, block_n), triton.cdiv(head_dim, block_p), batch * heads)
-    _ssd_states_fwd_kernel[grid](
-        x, dt, A, B, segments, initial_state, states, final,
-        **shapes, **common_strides(x, dt, B, segments), **stride_args("h0", initial_state, "bhpn"),
-        BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=segments is not None, HAS_H0=initial_state is not None,
-        PRECISION=dot_precision(x), num_warps=4,
+    _ssd_chunk_walk_kernel[grid](
+        u, dt, A, K, segments, start, walk, end,
+        **shapes, **stride_args("u", u, "bthp"), **stride_args("dt", dt, "bth"), **stride_args("K", K, "btgn"),
+        **stride_args("seg", segments, "bt"), **stride_args("start", start, "bhpn"),
+        BLOCK_P=block_p, BLOCK_N=block_n, REVERSE=reverse, HAS_SEQ=segments is not None, HAS_START=start is not None,
+        HAS_END=with_end, PRECISION=dot_precision(u), num_warps=4,
     )  # fmt: skip
-    return states, final
+    return walk, end
 
 
 def launch_ssd_outputs_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, segments: Tensor | None, states: Tensor,
     y: Tensor, chunk: int,
 ) -> None:  # fmt: skip
-    """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_states_fwd`)."""
+    """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_chunk_walk`)."""
     batch, _, heads, head_dim = x.shape
     shapes = shape_args(x, B, chunk)
     block_p, block_n = output_blocks(head_dim, B.shape[-1])

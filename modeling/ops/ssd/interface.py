@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..triton_utils import check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
-from .forward import CHUNK, MAX_HEAD_DIM, launch_ssd_outputs_fwd, launch_ssd_states_fwd
+from .forward import CHUNK, MAX_HEAD_DIM, launch_ssd_chunk_walk, launch_ssd_outputs_fwd
 from .reference import ssd_chunk_scan_ref
 
 
@@ -69,7 +69,7 @@ class SSDChunkScanFunction(torch.autograd.Function):
         segments = sequence_segments(seq_idx)
         A, D = A.contiguous(), D.contiguous()  # read as A[h], D[h]
         initial = initial_state.float().contiguous() if initial_state is not None else None
-        states, final_state = launch_ssd_states_fwd(x, dt, A, B, segments, initial, chunk_size)
+        states, final_state = launch_ssd_chunk_walk(x, dt, A, B, segments, initial, chunk_size, reverse=False)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size)
         # The states are recomputed in the backward: P*N/L fp32 values per token and head, 8x the input's bytes.
@@ -85,7 +85,9 @@ class SSDChunkScanFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
-        states, _ = launch_ssd_states_fwd(x, dt, A, B, segments, initial, ctx.chunk_size)
+        states, _ = launch_ssd_chunk_walk(
+            x, dt, A, B, segments, initial, ctx.chunk_size, reverse=False, with_end=False
+        )
         dx, ddt, dA, dB, dC, dD, dh0 = launch_ssd_chunk_scan_bwd(
             x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, ctx.chunk_size
         )
