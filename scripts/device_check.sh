@@ -3,6 +3,8 @@
 # Run from the repository root on the CUDA machine; logs and JSON go to $OUT (the device tool brings them back).
 #
 #   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
+#   bash scripts/device_check.sh ssd       # Mamba-2's scan kernels: their tests and the model's on the GPU, then
+#                                          # bench_kernels.py --only ssd,train (the scan and the training step)
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep,
 #                                          # then prefill_scan_sweep at the serving prefill shape)
 #   bash scripts/device_check.sh vllm [K]  # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
@@ -55,6 +57,17 @@ case "${1:-kernels}" in
       tests/test_mamba_inner_triton.py tests/test_ssd.py tests/test_mamba2.py tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
     tests_status=${PIPESTATUS[0]}
     python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+    exit $((tests_status || PIPESTATUS[0]))
+    ;;
+  ssd)
+    # Mamba-2's chunked scan on its Triton kernels: against the reference (gradients included) and in the model's
+    # training step and generation, then timed against the Inductor-compiled reference it replaced and the Mamba-1
+    # scan, and the training step of both branches against the model without the branch.
+    python3 -m pytest -q -p no:warnings tests/test_ssd.py tests/test_mamba2.py tests/test_modeling_kernels.py \
+      2>&1 | tee "$OUT/pytest_ssd.log" | tail -15
+    tests_status=${PIPESTATUS[0]}
+    python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
+      | tee "$OUT/bench_ssd_train.log" | tail -25
     exit $((tests_status || PIPESTATUS[0]))
     ;;
   sweep)
