@@ -347,7 +347,7 @@ def test_the_compiled_norm_compiles_once_per_kind_of_call_not_per_shape():
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
-def test_the_compiled_scan_and_norm_trace_inside_a_compiled_caller(grad):
+def test_the_scan_and_norm_trace_inside_a_compiled_caller(grad):
     """generate() with a static cache compiles the whole decode step on CUDA, and `torch.compile(model)` a training
     step, with the Mamba-2 branch's scan and norm called inside that graph: Dynamo refused their dynamic-shape marks
     ("Attempt to trace forbidden callable maybe_mark_dynamic", H200) and config patches there. Inside a compiled
