@@ -52,10 +52,9 @@ def _ssd_chunk_bwd_kernel(
     i_g = i_h // heads_per_group
     a = tl.load(p_A + i_h).to(tl.float32)
     dot_dtype = p_x.dtype.element_ty
-    o_t, t, m_t, b_dt, b_G, is_last, continues, reaches_end, b_seg, carried = _chunk_decays(
+    o_t, t, m_t, b_dt, b_G, G_last, is_last, continues, reaches_end, b_seg, carried = _chunk_decays(
         p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
     )
-    G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
     b_e = tl.where(continues, tl.exp(b_G), 0.0)
     b_w = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0)
     carry = tl.where(carried, tl.exp(G_last), 0.0)

@@ -43,16 +43,18 @@ def _chunk_decays(
     s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t,
     L: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):  # fmt: skip
-    """What every kernel needs of chunk i_c of (row i_b, head i_h), per token i of the chunk: offsets o_t, validity m_t,
-    step dt, G; the flags is_last (the chunk's last valid token), continues (i continues the state entering the
-    chunk), reaches_end (i is in the segment of the chunk's last token); the segment numbers (zeros without
-    `seq_idx`) and whether the state entering the chunk passes the whole chunk (`carried`)."""
+    """What every kernel needs of chunk i_c of (row i_b, head i_h), per token i of the chunk: its offset in the chunk
+    o_t and in the row t, validity m_t, step dt, G; the flags is_last (the chunk's last valid token), continues (i
+    continues the state entering the chunk), reaches_end (i is in the segment of the chunk's last token); the
+    segment numbers (zeros without `seq_idx`); and of the chunk: G at its last token, and whether the state entering
+    it passes the whole chunk (`carried`)."""
     o_t = tl.arange(0, L)
     t = tl.cast(i_c, tl.int64) * L + o_t
     m_t = t < T
     b_dt = tl.load(p_dt + i_b * s_dt_b + t * s_dt_t + i_h * s_dt_h, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.cumsum(b_dt * a, 0)
     is_last = o_t == tl.minimum(T - i_c * L, L) - 1
+    G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
     if HAS_SEQ:
         b_seg = tl.load(p_seg + i_b * s_seg_b + t * s_seg_t, mask=m_t, other=-1)
         seg_before = tl.load(p_seg + i_b * s_seg_b + tl.maximum(i_c * L - 1, 0) * s_seg_t)
@@ -65,7 +67,7 @@ def _chunk_decays(
         continues = m_t
         reaches_end = m_t
         carried = tl.full([], 1, tl.int1)
-    return o_t, t, m_t, b_dt, b_G, is_last, continues, reaches_end, b_seg, carried
+    return o_t, t, m_t, b_dt, b_G, G_last, is_last, continues, reaches_end, b_seg, carried
 
 
 @triton.jit
@@ -120,10 +122,9 @@ def _ssd_chunk_walk_kernel(
     for i_step in range(num_chunks):
         i_c = num_chunks - 1 - i_step if REVERSE else i_step
         tl.store(p_walk + tl.cast(i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
-        _, t, m_t, b_dt, b_G, is_last, continues, reaches_end, _, carried = _chunk_decays(
+        _, t, m_t, b_dt, b_G, G_last, _, continues, reaches_end, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
-        G_last = tl.sum(tl.where(is_last, b_G, 0.0), 0)
         if REVERSE:
             b_weight = tl.where(continues, tl.exp(b_G), 0.0)
         else:
@@ -162,7 +163,7 @@ def _ssd_outputs_fwd_kernel(
     m_p = o_p < P
     a = tl.load(p_A + i_h).to(tl.float32)
     dot_dtype = p_x.dtype.element_ty
-    o_t, t, m_t, b_dt, b_G, _, continues, _, b_seg, _ = _chunk_decays(
+    o_t, t, m_t, b_dt, b_G, _, _, continues, _, b_seg, _ = _chunk_decays(
         p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
     )
     p_B += i_b * s_B_b + i_g * s_B_g
