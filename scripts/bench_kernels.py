@@ -886,6 +886,42 @@ def bench_scan_sweep(args) -> list[Row]:
     return sweep("scan f+b", shape, fwd_bwd, one_knob + SCAN_COMBOS) + sweep("scan fwd", shape, fwd, fwd_variants)
 
 
+def bench_ssd_sweep(args) -> list[Row]:
+    """Mamba-2's scan kernels' launch shapes (`SSDBlocks`) at the training shape of `--only ssd`, one knob at a time:
+    the walk's and the outputs kernel's on the forward alone, the backward's on forward and backward."""
+    from modeling.ops.ssd.interface import ssd_chunk_scan_fn
+
+    batch, seq_len, heads, head_dim, state = (
+        args.train_batch,
+        args.train_seq_len,
+        args.ssd_channels // 64,
+        64,
+        args.ssd_state,
+    )
+    shape = f"B={batch} T={seq_len} H={heads} P={head_dim} N={state} G=1"
+    inputs = [randn(batch, seq_len, heads, head_dim), F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3),
+              -torch.exp(randn(heads, dtype=torch.float32, scale=0.5)), randn(batch, seq_len, 1, state),
+              randn(batch, seq_len, 1, state), randn(heads, dtype=torch.float32)]  # fmt: skip
+    for t in inputs:
+        t.requires_grad_(True)
+    dy = randn(batch, seq_len, heads, head_dim)
+
+    def fwd(**knobs):
+        with torch.no_grad():
+            return ssd_chunk_scan_fn(*inputs, **knobs)
+
+    def fwd_bwd(**knobs):
+        y, _ = ssd_chunk_scan_fn(*inputs, **knobs)
+        return torch.autograd.grad(y, inputs, dy)
+
+    fwd_knobs = one_knob_at_a_time({
+        "walk_p": [16, 64], "walk_n": [32, 128], "walk_warps": [2, 8], "out_p": [32], "out_n": [32, 128],
+        "out_warps": [8],
+    })  # fmt: skip
+    bwd_knobs = one_knob_at_a_time({"bwd_n": [16, 64], "bwd_warps": [4]})
+    return sweep("ssd fwd", shape, fwd, fwd_knobs) + sweep("ssd f+b", shape, fwd_bwd, bwd_knobs)
+
+
 def bench_prefill_scan_sweep(args) -> list[Row]:
     """The serving scan (`selective_scan_varlen_fwd`) alone at the prefill shape (`--prefill-*`, `--serve-channels`;
     the serving benchmark's 8192-token steps: --prefill-seqs 1 --prefill-seq-len 8192 --serve-channels 2048): its
@@ -985,6 +1021,7 @@ SECTIONS: dict[str, Callable] = {
     "train": bench_train_step,
     "sweep": bench_sweeps,
     "scan_sweep": bench_scan_sweep,
+    "ssd_sweep": bench_ssd_sweep,
     "prefill_scan_sweep": bench_prefill_scan_sweep,
 }
 CEILINGS: dict[str, float] = {}

@@ -268,6 +268,26 @@ def test_the_triton_scan_is_the_reference(shape, with_initial_state, packed, dty
         assert error < (1e-5 if exact else 1e-2), (name, error)
 
 
+def test_the_triton_scan_gives_the_same_function_at_other_launch_shapes():
+    """The launch shapes a benchmark sweeps (`SSDBlocks`): blocks smaller than P and N (several programs a head in the
+    walk and the outputs, several N blocks in the backward) give the default's outputs and gradients; an unknown
+    knob is refused."""
+    from modeling.ops.ssd.interface import ssd_chunk_scan_fn
+
+    inputs = scan_inputs(6, 1, 40, 2, 32, 1, 32)
+    seq_idx = inputs.pop("seq_idx")
+    results = []
+    for blocks in ({}, {"walk_p": 16, "walk_n": 16, "out_p": 16, "out_n": 16, "bwd_n": 16, "bwd_warps": 4}):
+        leaves = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+        y, state = ssd_chunk_scan_fn(**leaves, seq_idx=seq_idx, chunk_size=16, **blocks)
+        (y.sum() + state.square().sum()).backward()
+        results.append([y, state, *(leaf.grad for leaf in leaves.values())])
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="block_e"):
+        ssd_chunk_scan_fn(**inputs, block_e=32)
+
+
 def test_the_triton_scan_takes_a_gradient_from_the_final_state_alone():
     """A loss of the final state only (the output unused): the backward starts from a zero output gradient."""
     from modeling.ops.ssd.interface import ssd_chunk_scan_fn

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..triton_utils import stride_args
 from .forward import (
+    SSDBlocks,
     _chunk_decays,
     _intra_chunk_decays,
     common_strides,
@@ -144,7 +145,7 @@ def _ssd_chunk_bwd_kernel(
 
 def launch_ssd_chunk_scan_bwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, segments: Tensor | None, states: Tensor,
-    dy: Tensor, dfinal: Tensor | None, has_initial_state: bool, chunk: int,
+    dy: Tensor, dfinal: Tensor | None, has_initial_state: bool, chunk: int, blocks: SSDBlocks,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Gradients of (x, dt, A, B, C, D, initial_state) from dy [b, T, H, P] and the final state's gradient (None:
     zero), over checked tensors and the recomputed entering states (forward.py). The initial state's gradient is
@@ -154,7 +155,7 @@ def launch_ssd_chunk_scan_bwd(
     shapes = shape_args(x, B, chunk)
     num_chunks = shapes["num_chunks"]
     dstates, dh0 = launch_ssd_chunk_walk(
-        dy, dt, A, C, segments, dfinal, chunk, reverse=True, with_end=has_initial_state
+        dy, dt, A, C, segments, dfinal, chunk, blocks, reverse=True, with_end=has_initial_state
     )
 
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -167,8 +168,8 @@ def launch_ssd_chunk_scan_bwd(
         x, dt, A, B, C, D, segments, states, dstates, dy,
         dx, ddt, dB_heads, dC_heads, dA_parts, dD_parts,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
-        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=max(16, min(32, triton.next_power_of_2(state_size))),
-        HAS_SEQ=segments is not None, PRECISION=dot_precision(x), num_warps=8,
+        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=blocks.bwd_n, HAS_SEQ=segments is not None,
+        PRECISION=dot_precision(x), num_warps=blocks.bwd_warps,
     )  # fmt: skip
     group_sum = (batch, length, groups, heads // groups, state_size)
     dB = dB_heads.view(group_sum).sum(3).to(B.dtype)

@@ -25,6 +25,8 @@ product's result: a transposed operand is loaded transposed from memory (Triton 
 a wgmma result on Hopper: fla-org/flash-linear-attention#640).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -221,20 +223,41 @@ def common_strides(x: Tensor, dt: Tensor, B: Tensor, segments: Tensor | None) ->
     }
 
 
-def state_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_N) of the walk over the chunks: 32 x 64 tiles, so that a [b, H] launch still has
-    b * H * cdiv(P, 32) * cdiv(N, 64) programs (256 at b 2, H 32, P 64, N 128). tl.dot's tiles are at least 16."""
-    return max(16, min(32, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
+class SSDBlocks(NamedTuple):
+    """Launch shapes of the scan's kernels, exposed so that benchmarks can sweep them: the walk's state tile
+    [walk_p, walk_n] and warps; the outputs kernel's blocks of P and N and warps; the per-chunk backward's block of N
+    and warps (it holds the head's P channels at once)."""
+
+    walk_p: int
+    walk_n: int
+    walk_warps: int
+    out_p: int
+    out_n: int
+    out_warps: int
+    bwd_n: int
+    bwd_warps: int
 
 
-def output_blocks(head_dim: int, state_size: int) -> tuple[int, int]:
-    """(BLOCK_P, BLOCK_N) of the per-chunk kernels: the head's channels in blocks of up to 64, N in blocks of 64."""
-    return max(16, min(64, triton.next_power_of_2(head_dim))), max(16, min(64, triton.next_power_of_2(state_size)))
+def pick_ssd_blocks(head_dim: int, state_size: int, **overrides) -> SSDBlocks:
+    """Defaults from the shapes, any keyword given (not None) taking precedence. Not yet timed on a GPU (sm_90
+    register counts in BENCHMARKS.md): walk tiles of 32 x 64, so that a [b, H] launch still has b * H * cdiv(P, 32) *
+    cdiv(N, 64) programs (256 at b 2, H 32, P 64, N 128); the outputs in blocks of 64 x 64; the backward with N in
+    blocks of 32 on 8 warps (blocks of 64 spilled 164 bytes a thread). tl.dot's tiles are at least 16."""
+
+    def block(size: int, cap: int) -> int:
+        return max(16, min(cap, triton.next_power_of_2(size)))
+
+    defaults = SSDBlocks(
+        walk_p=block(head_dim, 32), walk_n=block(state_size, 64), walk_warps=4,
+        out_p=block(head_dim, 64), out_n=block(state_size, 64), out_warps=4,
+        bwd_n=block(state_size, 32), bwd_warps=8,
+    )  # fmt: skip
+    return defaults._replace(**{name: value for name, value in overrides.items() if value is not None})
 
 
 def launch_ssd_chunk_walk(
     u: Tensor, dt: Tensor, A: Tensor, K: Tensor, segments: Tensor | None, start: Tensor | None, chunk: int,
-    reverse: bool, with_end: bool = True,
+    blocks: SSDBlocks, reverse: bool, with_end: bool = True,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The walk over the chunks (`_ssd_chunk_walk_kernel`) over checked tensors: the states entering every chunk and
     the final state from (x, B) and the initial state, or with `reverse` the gradients of the states at every chunk's
@@ -245,29 +268,28 @@ def launch_ssd_chunk_walk(
     shapes = shape_args(u, K, chunk)
     walk = u.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
     end = u.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32) if with_end else None
-    block_p, block_n = state_blocks(head_dim, state_size)
-    grid = (triton.cdiv(state_size, block_n), triton.cdiv(head_dim, block_p), batch * heads)
+    grid = (triton.cdiv(state_size, blocks.walk_n), triton.cdiv(head_dim, blocks.walk_p), batch * heads)
     _ssd_chunk_walk_kernel[grid](
         u, dt, A, K, segments, start, walk, end,
         **shapes, **stride_args("u", u, "bthp"), **stride_args("dt", dt, "bth"), **stride_args("K", K, "btgn"),
         **stride_args("seg", segments, "bt"), **stride_args("start", start, "bhpn"),
-        BLOCK_P=block_p, BLOCK_N=block_n, REVERSE=reverse, HAS_SEQ=segments is not None, HAS_START=start is not None,
-        HAS_END=with_end, PRECISION=dot_precision(u), num_warps=4,
+        BLOCK_P=blocks.walk_p, BLOCK_N=blocks.walk_n, REVERSE=reverse, HAS_SEQ=segments is not None,
+        HAS_START=start is not None, HAS_END=with_end, PRECISION=dot_precision(u), num_warps=blocks.walk_warps,
     )  # fmt: skip
     return walk, end
 
 
 def launch_ssd_outputs_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, segments: Tensor | None, states: Tensor,
-    y: Tensor, chunk: int,
+    y: Tensor, chunk: int, blocks: SSDBlocks,
 ) -> None:  # fmt: skip
     """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_chunk_walk`)."""
     batch, _, heads, head_dim = x.shape
     shapes = shape_args(x, B, chunk)
-    block_p, block_n = output_blocks(head_dim, B.shape[-1])
-    grid = (triton.cdiv(head_dim, block_p), shapes["num_chunks"], batch * heads)
+    grid = (triton.cdiv(head_dim, blocks.out_p), shapes["num_chunks"], batch * heads)
     _ssd_outputs_fwd_kernel[grid](
         x, dt, A, B, C, D, segments, states, y,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("y", y, "bthp"),
-        BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=segments is not None, PRECISION=dot_precision(x), num_warps=4,
+        BLOCK_P=blocks.out_p, BLOCK_N=blocks.out_n, HAS_SEQ=segments is not None, PRECISION=dot_precision(x),
+        num_warps=blocks.out_warps,
     )  # fmt: skip

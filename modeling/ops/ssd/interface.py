@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..triton_utils import check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
-from .forward import CHUNK, MAX_HEAD_DIM, launch_ssd_chunk_walk, launch_ssd_outputs_fwd
+from .forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
 from .reference import ssd_chunk_scan_ref
 
 
@@ -65,17 +65,17 @@ def check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int)
 
 class SSDChunkScanFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int):
+    def forward(ctx, x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int, blocks: SSDBlocks):
         segments = sequence_segments(seq_idx)
         A, D = A.contiguous(), D.contiguous()  # read as A[h], D[h]
         initial = initial_state.float().contiguous() if initial_state is not None else None
-        states, final_state = launch_ssd_chunk_walk(x, dt, A, B, segments, initial, chunk_size, reverse=False)
+        states, final_state = launch_ssd_chunk_walk(x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size)
+        launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size, blocks)
         # The states are recomputed in the backward: P*N/L fp32 values per token and head, 8x the input's bytes.
         ctx.save_for_backward(x, dt, A, B, C, D, initial, segments)
         ctx.initial_dtype = initial_state.dtype if initial_state is not None else None
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.blocks = chunk_size, blocks
         ctx.set_materialize_grads(False)
         return y, final_state
 
@@ -86,21 +86,21 @@ class SSDChunkScanFunction(torch.autograd.Function):
             dy = torch.zeros_like(x)
         dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
         states, _ = launch_ssd_chunk_walk(
-            x, dt, A, B, segments, initial, ctx.chunk_size, reverse=False, with_end=False
+            x, dt, A, B, segments, initial, ctx.chunk_size, ctx.blocks, reverse=False, with_end=False
         )
         dx, ddt, dA, dB, dC, dD, dh0 = launch_ssd_chunk_scan_bwd(
-            x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, ctx.chunk_size
+            x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, ctx.chunk_size, ctx.blocks
         )
         d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
-        return dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, dD.to(D.dtype), d_initial, None, None
+        return dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, dD.to(D.dtype), d_initial, None, None, None
 
 
 def ssd_chunk_scan_fn(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor,
-    initial_state: Tensor | None = None, seq_idx: Tensor | None = None, chunk_size: int = CHUNK,
+    initial_state: Tensor | None = None, seq_idx: Tensor | None = None, chunk_size: int = CHUNK, **blocks: int,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """`ssd_chunk_scan_ref` on the kernels (same arguments and results; the chunk is the kernels' tile, 64 unless
-    given: the result does not depend on it).
+    given: the result does not depend on it). `blocks`: launch shapes (`SSDBlocks` fields) for benchmarks to sweep.
 
     Inside a caller that is itself being compiled (`torch.compile(model)`, generate()'s compiled decode step) the
     reference joins the caller's graph instead, and with grad under activation checkpointing: the caller's partitioner
@@ -112,4 +112,5 @@ def ssd_chunk_scan_fn(
             )
         return ssd_chunk_scan_ref(x, dt, A, B, C, D, chunk_size, initial_state, seq_idx)
     check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
-    return SSDChunkScanFunction.apply(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
+    launch = pick_ssd_blocks(x.shape[-1], B.shape[-1], **blocks)
+    return SSDChunkScanFunction.apply(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, launch)
