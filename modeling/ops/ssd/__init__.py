@@ -5,8 +5,10 @@ reference.py   the plain-PyTorch references: the recurrence token by token (`ssd
                (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
                (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
 
-forward.py     the chunked scan's training forward kernels (the states entering each chunk, then the outputs)
-backward.py    its backward kernels (the state gradients, then every input's gradient per chunk)
+forward.py     the chunked scan's forward kernels: the walk over the chunks (the states entering each chunk; reversed,
+               their gradients), then the outputs; the launch shapes (`SSDBlocks`)
+backward.py    its backward: the states recomputed and their gradients walked back, then every input's gradient per
+               chunk
 interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract; import it
                where it is used, as the other ops' kernel modules)
 
