@@ -160,6 +160,18 @@ def scan_inputs(batch, seq_len, channels, state, requires_grad=False):
     return tensors
 
 
+def ssd_inputs(batch, seq_len, heads, head_dim, state, requires_grad=False):
+    """bf16 x, B, C (one group) and fp32 dt / A / D, the dtypes the Mamba-2 branch hands its scan."""
+    tensors = [
+        randn(batch, seq_len, heads, head_dim), F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3),
+        -torch.exp(randn(heads, dtype=torch.float32, scale=0.5)), randn(batch, seq_len, 1, state),
+        randn(batch, seq_len, 1, state), randn(heads, dtype=torch.float32),
+    ]  # fmt: skip
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return tensors
+
+
 def bench_scan(args) -> list[Row]:
     from modeling.ops import selective_scan_ref
     from modeling.ops.selective_scan.interface import selective_scan_fn
@@ -234,14 +246,7 @@ def bench_ssd(args) -> list[Row]:
     batch, seq_len, channels, head_dim = args.train_batch, args.train_seq_len, args.ssd_channels, 64
     heads, state, chunk = channels // head_dim, args.ssd_state, CHUNK
     shape = f"B={batch} T={seq_len} H={heads} P={head_dim} N={state} G=1 L={chunk}"
-    x = randn(batch, seq_len, heads, head_dim)
-    dt = F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3)
-    A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
-    B, C = randn(batch, seq_len, 1, state), randn(batch, seq_len, 1, state)
-    D = randn(heads, dtype=torch.float32)
-    inputs = [x, dt, A, B, C, D]
-    for t in inputs:
-        t.requires_grad_(True)
+    inputs = ssd_inputs(batch, seq_len, heads, head_dim, state, requires_grad=True)
     dy = randn(batch, seq_len, heads, head_dim)
 
     def reference(*args):
@@ -279,8 +284,7 @@ def bench_ssd(args) -> list[Row]:
 
     # One prompt's prefill through generate() (no grad): --ssd-prefill-len tokens, the same heads
     prefill_len = args.ssd_prefill_len
-    prefill = [randn(1, prefill_len, heads, head_dim), F.softplus(randn(1, prefill_len, heads, dtype=torch.float32) - 3),
-               A.detach(), randn(1, prefill_len, 1, state), randn(1, prefill_len, 1, state), D.detach()]  # fmt: skip
+    prefill = ssd_inputs(1, prefill_len, heads, head_dim, state)
     prefill_shape = f"B=1 T={prefill_len} H={heads} P={head_dim} N={state} G=1 L={chunk}"
     mamba1_prefill = scan_inputs(1, prefill_len, channels, 16)
     with torch.no_grad():
@@ -899,11 +903,7 @@ def bench_ssd_sweep(args) -> list[Row]:
         args.ssd_state,
     )
     shape = f"B={batch} T={seq_len} H={heads} P={head_dim} N={state} G=1"
-    inputs = [randn(batch, seq_len, heads, head_dim), F.softplus(randn(batch, seq_len, heads, dtype=torch.float32) - 3),
-              -torch.exp(randn(heads, dtype=torch.float32, scale=0.5)), randn(batch, seq_len, 1, state),
-              randn(batch, seq_len, 1, state), randn(heads, dtype=torch.float32)]  # fmt: skip
-    for t in inputs:
-        t.requires_grad_(True)
+    inputs = ssd_inputs(batch, seq_len, heads, head_dim, state, requires_grad=True)
     dy = randn(batch, seq_len, heads, head_dim)
 
     def fwd(**knobs):
