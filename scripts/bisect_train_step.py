@@ -16,7 +16,9 @@ adds that tree's model with the SSM branch off (the anchor); `--profile-trees` a
 tree, one profiled step: its top CUDA kernels and its host syncs; `--sync-sites` lists where each tree's hybrid and
 SSM-off steps make the host wait for the GPU (PyTorch's sync debug mode, with the Python stack of each).
 `--compile` runs every model under `torch.compile` (as `Trainer(torch_compile=True)` does), with the time its first
-step took to compile and the graph breaks Dynamo met.
+step took to compile and the graph breaks Dynamo met. `--set KEY=VALUE` (repeatable; VALUE read as JSON, else as
+a string) changes a field of every probe's config, e.g. `--set ssm_type=mamba2 --set ssm_state_size=128` for the
+Mamba-2 branch.
 """
 
 import argparse
@@ -111,7 +113,21 @@ def sync_sites(step) -> dict[str, int]:
     return dict(sites.most_common())
 
 
-def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False) -> dict:
+def config_field(text: str) -> tuple[str, object]:
+    """`--set`'s KEY=VALUE: the value as JSON where it parses (numbers, booleans), else the string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def worker(
+    use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False,
+    fields: dict | None = None,
+) -> dict:
     """One tree's step, in this process (the tree first on sys.path); `compile`: the model under `torch.compile`
     (its default mode; its first step compiles, timed apart), as `Trainer(torch_compile=True)` runs it."""
     import torch
@@ -125,7 +141,8 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
         raise RuntimeError(f"imported {modeling.__file__}, not the tree's modeling under {tree}")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = HybridForCausalLM(HybridConfig(**CONFIG, use_ssm_branch=use_ssm_branch)).to(torch.bfloat16)
+        config = HybridConfig(**CONFIG | (fields or {}), use_ssm_branch=use_ssm_branch)
+        model = HybridForCausalLM(config).to(torch.bfloat16)
     model.set_attn_implementation("sdpa")
     model.train()
     if compile:
@@ -167,9 +184,11 @@ def worker(use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = F
 
 
 def run_tree(
-    tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False
+    tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False,
+    fields: dict | None = None,
 ) -> dict:
     command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
+    command += [f"--set={key}={json.dumps(value)}" for key, value in (fields or {}).items()]
     command += ["--compile"] if compile else []
     command += [] if use_ssm_branch else ["--no-ssm"]
     command += ["--profile"] if profile else []
@@ -193,18 +212,21 @@ def main() -> int:
     parser.add_argument(
         "--compile", action="store_true", help="every model under torch.compile (the step times exclude compiling)"
     )
+    parser.add_argument("--set", type=config_field, action="append", default=[], metavar="KEY=VALUE",
+                        help="a config field of every probe (repeatable)")
     parser.add_argument("--json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-ssm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    fields = dict(args.set)
     if args.worker:
-        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites, args.compile)))
+        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites, args.compile, fields)))
         return 0
     if args.sync_sites:
         for tree in args.trees:
             for use_ssm_branch in (True, False):
-                result = run_tree(tree, use_ssm_branch, profile=False, steps=1, find_syncs=True)
+                result = run_tree(tree, use_ssm_branch, profile=False, steps=1, find_syncs=True, fields=fields)
                 print(f"== {tree.name} {'hybrid' if use_ssm_branch else 'SSM off'}: {result.get('error', '')}")
                 for site, count in result.get("sync_sites", {}).items():
                     print(f"{count:4d}  {site}")
@@ -217,11 +239,11 @@ def main() -> int:
 
     def save():
         if args.json:
-            Path(args.json).write_text(json.dumps({"config": CONFIG, "results": results}, indent=1))
+            Path(args.json).write_text(json.dumps({"config": CONFIG | fields, "results": results}, indent=1))
 
     for tree in filter(None, args.profile_trees.split(",")):
         run = (Path(tree), True)
-        results[label[run]]["profile"] = profiled = run_tree(Path(tree), True, True, args.steps)
+        results[label[run]]["profile"] = profiled = run_tree(Path(tree), True, True, args.steps, fields=fields)
         print(f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
               f"of kernels in a {profiled.get('step_ms', 0):.1f} ms step\n{profiled.get('top_kernels', profiled)}",
               flush=True)
@@ -230,7 +252,7 @@ def main() -> int:
         for run in runs if round_index % 2 == 0 else runs[::-1]:
             if time.perf_counter() - started > args.budget_s:
                 break
-            result = run_tree(*run, profile=False, steps=args.steps, compile=args.compile)
+            result = run_tree(*run, profile=False, steps=args.steps, compile=args.compile, fields=fields)
             results[label[run]]["runs"].append(result)
             if "step_ms" in result:
                 results[label[run]]["steps_ms"].append(result["step_ms"])

@@ -176,6 +176,27 @@ def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
         assert entry["ratio"] == entry["median_ms"]["this"] / entry["median_ms"]["base"]
 
 
+def test_bisect_train_step_set_changes_the_probe_config_and_refuses_a_bare_key():
+    """bisect_train_step.py --set KEY=VALUE: the value read as JSON (a number, a boolean) or else as a string; the
+    probe's config with the fields is one HybridConfig accepts (Mamba-2 at N 128); a KEY alone is refused by name."""
+    import importlib.util
+
+    from configuration import HybridConfig
+
+    spec = importlib.util.spec_from_file_location("bisect_train_step", REPO_ROOT / "scripts" / "bisect_train_step.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    fields = dict(map(script.config_field, ["ssm_type=mamba2", "ssm_state_size=128", "ssm_branch_norm=true"]))
+    assert fields == {"ssm_type": "mamba2", "ssm_state_size": 128, "ssm_branch_norm": True}
+    config = HybridConfig(**script.CONFIG | fields)
+    assert (config.ssm_type, config.ssm_state_size, config.hidden_size) == ("mamba2", 128, 1024)
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "bisect_train_step.py"), "--set", "ssm_type"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "--set takes KEY=VALUE, got 'ssm_type'" in done.stderr
+
+
 def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
     """bench_kernels.py --smoke (Triton's interpreter, toy sizes) on the bf16 serving kernels: every checked row is
     within bf16 error of its reference (the interpreter multiplied bf16 bits in `tl.dot` here once: rel err 1e9)."""

@@ -249,9 +249,11 @@ def test_the_triton_scan_is_the_reference(shape, with_initial_state, packed, dty
     want_y, want_state, want_grads = outputs_and_grads(partial(ssd_chunk_scan_ref, chunk_size=chunk), as_float=True)
     assert y.dtype == dtype and state.dtype == torch.float32
     exact = dtype == torch.float32
-    tolerance = {"atol": 1e-5, "rtol": 1e-5} if exact else {"atol": 5e-2, "rtol": 2e-2}
-    torch.testing.assert_close(y.float(), want_y, **tolerance)
-    torch.testing.assert_close(state, want_state, **tolerance)
+    for got, want in ((y.float(), want_y), (state, want_state)):
+        # fp32: both sides sum the same products in other orders, each rounding at ~1e-7 of the largest term (the
+        # H100 put 1.2e-5 between them at an output of 0.07 where outputs reach 21)
+        tolerance = {"atol": 2e-6 * want.abs().max().item(), "rtol": 1e-5} if exact else {"atol": 5e-2, "rtol": 2e-2}
+        torch.testing.assert_close(got, want, **tolerance)
     assert grads.keys() == want_grads.keys()
     for name, grad in grads.items():
         want = want_grads[name]
