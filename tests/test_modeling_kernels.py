@@ -216,12 +216,13 @@ def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_
 @pytest.mark.skipif(
     not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)"
 )
-def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model):
+@pytest.mark.parametrize("branch", [{}, MAMBA2_BRANCH], ids=["mamba1", "mamba2"])
+def test_a_training_step_on_the_kernels_compiles_to_one_graph(make_model, branch):
     """`torch.compile(fullgraph=True)` of a training forward on the kernels, as `Trainer(torch_compile=True)` compiles
-    the model: Dynamo traces the branch's autograd function and its Triton launches without a graph break (the README
-    says so), and the compiled step's loss and gradients are eager's."""
-    model = make_model(sliding_window=16, attn_implementation="sdpa").to(DEVICE).train()
-    ids = torch.randint(3, 97, (2, 80), device=DEVICE)
+    the model: Dynamo traces the branch's autograd functions and their Triton launches without a graph break (the
+    README says so), and the compiled step's loss and gradients are eager's. Mamba-2 over three of its scan's chunks."""
+    model = make_model(sliding_window=16, attn_implementation="sdpa", **branch).to(DEVICE).train()
+    ids = torch.randint(3, 97, (2, 80 if not branch else 150), device=DEVICE)
     steps = []
     for forward in (model.forward, torch.compile(model.forward, fullgraph=True)):
         model.zero_grad(set_to_none=True)

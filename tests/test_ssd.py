@@ -180,7 +180,8 @@ def test_gated_norm_normalises_each_group_alone():
         torch.testing.assert_close(got[:, part].double(), want, atol=1e-6, rtol=1e-5)
 
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU machines the kernels run in Triton's interpreter
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"  # on CPU machines the kernels run in Triton's interpreter
 
 
 def scan_inputs(seed, batch, length, heads, head_dim, groups, state, dtype=torch.float32):
@@ -369,70 +370,74 @@ def test_the_compiled_norm_compiles_once_per_kind_of_call_not_per_shape():
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
-def test_the_scan_and_norm_trace_inside_a_compiled_caller(grad):
+def test_the_norm_traces_inside_a_compiled_caller(grad):
     """generate() with a static cache compiles the whole decode step on CUDA, and `torch.compile(model)` a training
-    step, with the Mamba-2 branch's scan and norm called inside that graph: Dynamo refused their dynamic-shape marks
+    step, with the Mamba-2 branch's norm called inside that graph: Dynamo refused the norm's dynamic-shape marks
     ("Attempt to trace forbidden callable maybe_mark_dynamic", H200) and config patches there. Inside a compiled
-    caller both must trace under fullgraph to the reference's values and, with grad, its gradients (the scan then
-    recomputed in the backward)."""
+    caller it must trace under fullgraph to the reference's values and, with grad, its gradients."""
     from modeling.ops.ssd.compiled import gated_rms_norm
-    from modeling.ops.ssd.interface import ssd_chunk_scan_fn
 
     torch._dynamo.reset()
-    x, dt, A, B, C, D, h0, _ = random_inputs(seed=5)
     g = torch.Generator().manual_seed(6)
-    weight, z = torch.randn(HEADS * HEAD_DIM, generator=g), torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM, generator=g)
+    y, z = (torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM, generator=g) for _ in range(2))
+    weight = torch.randn(HEADS * HEAD_DIM, generator=g)
+    cotangent = torch.randn(y.shape, generator=g)
 
-    def compiled_ops(x, dt, B, C, h0):
-        y, state = ssd_chunk_scan_fn(x, dt, A, B, C, D, initial_state=h0)
-        return gated_rms_norm(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
-
-    def reference_ops(x, dt, B, C, h0):
-        y, state = ssd_chunk_scan_ref(x, dt, A, B, C, D, 16, h0)
-        return gated_rms_norm_ref(y.flatten(2), z, weight, HEAD_DIM, 1e-6), state
-
-    def outputs_and_gradients(forward):
-        inputs = [t.detach().requires_grad_(grad) for t in (x, dt, B, C, h0)]
+    def outputs_and_gradients(norm):
+        inputs = [t.detach().requires_grad_(grad) for t in (y, z, weight)]
         with torch.set_grad_enabled(grad):
-            outputs = forward(*inputs)
+            normed = norm(*inputs, HEAD_DIM, 1e-6)
         if not grad:
-            return list(outputs)
-        cotangents = [torch.randn(out.shape, generator=torch.Generator().manual_seed(7)) for out in outputs]
-        return [*outputs, *torch.autograd.grad(outputs, inputs, cotangents)]
+            return [normed]
+        return [normed, *torch.autograd.grad(normed, inputs, cotangent)]
 
-    got = outputs_and_gradients(torch.compile(compiled_ops, fullgraph=True, backend="aot_eager"))
-    for got_tensor, want_tensor in zip(got, outputs_and_gradients(reference_ops), strict=True):
-        torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4)
+    got = outputs_and_gradients(torch.compile(gated_rms_norm, fullgraph=True, backend="aot_eager"))
+    want = outputs_and_gradients(gated_rms_norm_ref)
+    for got_tensor, want_tensor in zip(got, want, strict=True):
+        torch.testing.assert_close(got_tensor, want_tensor, atol=1e-5, rtol=1e-5)
 
 
-def test_a_compiled_training_caller_keeps_the_scan_inputs_not_its_chunk_products():
-    """In a training step compiled whole (`torch.compile(model)`), the scan's memory budget is the caller's compile to
-    set; the scan recomputes its chunk products in the backward instead: what the graph saves for backward is a
-    fraction of what the same graph around the plain reference saves (the [L, L] products of every chunk)."""
+@pytest.mark.skipif(
+    not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)"
+)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_the_triton_scan_traces_inside_a_compiled_training_caller(backend):
+    """`torch.compile(model)` / `Trainer(torch_compile=True)` with the Mamba-2 branch: Dynamo traces the scan's
+    autograd function and its launches under fullgraph (`ctx.set_materialize_grads` is one thing it refuses), with
+    the reference's outputs and gradients, packed rows and an initial state included; and what the compiled graph
+    saves for the backward is the scan's inputs, a fraction of what the same graph around the plain reference saves
+    (the [L, L] products of every chunk)."""
     from modeling.ops.ssd.forward import CHUNK
     from modeling.ops.ssd.interface import ssd_chunk_scan_fn
 
-    g = torch.Generator().manual_seed(8)
-    length = 8 * CHUNK
-    x, dt, B, C = (
-        torch.randn(2, length, HEADS, HEAD_DIM, generator=g),
-        torch.rand(2, length, HEADS, generator=g) * 0.5,
-        torch.randn(2, length, GROUPS, STATE, generator=g),
-        torch.randn(2, length, GROUPS, STATE, generator=g),
-    )
-    A, D = -(torch.rand(HEADS, generator=g) + 0.2), torch.randn(HEADS, generator=g)
+    torch._dynamo.reset()
+    inputs = scan_inputs(8, 2, 4 * CHUNK + 9, 4, 16, 2, 16)
+    seq_idx = inputs.pop("seq_idx")
+    names = list(inputs)
+    g = torch.Generator().manual_seed(9)
+    dy = torch.randn(inputs["x"].shape, generator=g).to(DEVICE)
+    dstate = torch.randn(inputs["initial_state"].shape, generator=g).to(DEVICE)
 
-    def saved_bytes(scan):
-        torch._dynamo.reset()
+    def run(scan):
         saved = []
-        inputs = [t.clone().requires_grad_() for t in (x, dt, B, C)]
+        leaves = [t.detach().clone().requires_grad_() for t in inputs.values()]
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
-            torch.compile(scan, fullgraph=True, backend="aot_eager")(*inputs)
-        return sum(saved)
+            y, state = scan(*leaves)
+        ((y * dy).sum() + (state * dstate).sum()).backward()
+        return [y, state, *(leaf.grad for leaf in leaves)], sum(saved)
 
-    checkpointed = saved_bytes(lambda x, dt, B, C: ssd_chunk_scan_fn(x, dt, A, B, C, D))
-    inline = saved_bytes(lambda x, dt, B, C: ssd_chunk_scan_ref(x, dt, A, B, C, D, CHUNK))
-    assert checkpointed < inline / 4, (checkpointed, inline)
+    def kernels(*leaves):
+        return ssd_chunk_scan_fn(*leaves[:6], initial_state=leaves[6], seq_idx=seq_idx)
+
+    def reference(*leaves):
+        return ssd_chunk_scan_ref(*leaves[:6], CHUNK, initial_state=leaves[6], seq_idx=seq_idx)
+
+    got, kernel_bytes = run(torch.compile(kernels, fullgraph=True, backend=backend))
+    want, _ = run(reference)
+    _, reference_bytes = run(torch.compile(reference, fullgraph=True, backend=backend))
+    for name, got_tensor, want_tensor in zip(["y", "final state", *names], got, want, strict=True):
+        torch.testing.assert_close(got_tensor, want_tensor, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert kernel_bytes < reference_bytes / 4, (kernel_bytes, reference_bytes)
 
 
 def decode_case(seed, rows, heads, head_dim, groups, state, slots, cache_dtype, input_dtype):

@@ -9,12 +9,10 @@ pairs them, gradients included).
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from ..triton_utils import check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
 from .forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
-from .reference import ssd_chunk_scan_ref
 
 
 def sequence_segments(seq_idx: Tensor | None) -> Tensor | None:
@@ -76,15 +74,14 @@ class SSDChunkScanFunction(torch.autograd.Function):
         ctx.save_for_backward(x, dt, A, B, C, D, initial, segments)
         ctx.initial_dtype = initial_state.dtype if initial_state is not None else None
         ctx.chunk_size, ctx.blocks = chunk_size, blocks
-        ctx.set_materialize_grads(False)
         return y, final_state
 
     @staticmethod
     def backward(ctx, dy, d_final_state):
+        # Both gradients arrive materialised (zeros for an output that took none): Dynamo traces this function
+        # inside a compiled training step and does not take ctx.set_materialize_grads.
         x, dt, A, B, C, D, initial, segments = ctx.saved_tensors
-        if dy is None:
-            dy = torch.zeros_like(x)
-        dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
+        dfinal = d_final_state.float().contiguous()
         states, _ = launch_ssd_chunk_walk(
             x, dt, A, B, segments, initial, ctx.chunk_size, ctx.blocks, reverse=False, with_end=False
         )
@@ -102,15 +99,9 @@ def ssd_chunk_scan_fn(
     """`ssd_chunk_scan_ref` on the kernels (same arguments and results; the chunk is the kernels' tile, 64 unless
     given: the result does not depend on it). `blocks`: launch shapes (`SSDBlocks` fields) for benchmarks to sweep.
 
-    Inside a caller that is itself being compiled (`torch.compile(model)`, generate()'s compiled decode step) the
-    reference joins the caller's graph instead, and with grad under activation checkpointing: the caller's partitioner
-    would otherwise save every chunk's [L, L] products for the backward (1.73x the SSM-off model's peak on the H200)."""
-    if torch.compiler.is_compiling():
-        if torch.is_grad_enabled():
-            return checkpoint(
-                ssd_chunk_scan_ref, x, dt, A, B, C, D, chunk_size, initial_state, seq_idx, use_reentrant=False
-            )
-        return ssd_chunk_scan_ref(x, dt, A, B, C, D, chunk_size, initial_state, seq_idx)
+    Inside a caller that is itself being compiled (`torch.compile(model)`, `Trainer(torch_compile=True)`) Dynamo traces
+    this autograd function and its launches into the caller's graph (CUDA tensors: the interpreter's launches are
+    opaque to it); the backward still recomputes the states from the saved inputs."""
     check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
     launch = pick_ssd_blocks(x.shape[-1], B.shape[-1], **blocks)
     return SSDChunkScanFunction.apply(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, launch)
