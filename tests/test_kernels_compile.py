@@ -1,6 +1,7 @@
 """Every Triton kernel of the project through the real compiler for sm_90 (tests/compile_for_hopper.py), on any
 machine: the kernel tests run in Triton's interpreter on CPU machines, which does not type-check a kernel."""
 
+import json
 import os
 import re
 import subprocess
@@ -41,3 +42,41 @@ def test_every_kernel_compiles_for_hopper():
     kernels = project_kernels()
     assert len(kernels) >= 10, f"the kernel scan found only {sorted(kernels)}"
     assert compiled == kernels, f"not compiled: {sorted(kernels - compiled)}; unknown: {sorted(compiled - kernels)}"
+
+
+LAYER_KERNELS = {  # what one layer's training step launches: (forward, backward), each in launch order
+    "mamba1": (
+        ["_causal_conv1d_fwd_kernel", "_selective_scan_fwd_kernel", "_selective_scan_chunk_combine_kernel",
+         "_selective_scan_fwd_kernel"],
+        ["_selective_scan_bwd_kernel", "_selective_scan_chunk_combine_kernel", "_selective_scan_bwd_kernel",
+         "_causal_conv1d_bwd_kernel"],
+    ),
+    "mamba2": (
+        ["_causal_conv1d_fwd_kernel", "_ssd_chunk_walk_kernel", "_ssd_outputs_fwd_kernel"],
+        ["_causal_conv1d_bwd_kernel", "_ssd_chunk_walk_kernel", "_ssd_chunk_walk_kernel", "_ssd_chunk_bwd_kernel"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("branch", ["mamba1", "mamba2"])
+def test_dynamo_traces_a_training_step_on_the_kernels_into_one_graph(branch):
+    """`torch.compile(model.forward, fullgraph=True)` of a training forward on CUDA, as Dynamo traces it on a GPU
+    (tests/trace_on_fake_cuda.py: fake CUDA tensors, nothing run): one graph, each layer's branch as its autograd
+    functions (Mamba-1: one, the fused branch; Mamba-2: the conv and the scan), their Triton kernels in the graph's
+    forward and backward bodies. Mamba-2's scan ran its reference inside compiled callers before (the trace then held
+    the conv's kernels alone)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "trace_on_fake_cuda.py"), branch],
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    traced = json.loads(done.stdout.strip().splitlines()[-1])
+    layers = 2
+    forward, backward = LAYER_KERNELS[branch]
+    assert traced == {
+        "graphs": 1,
+        "autograd_functions": layers * (1 if branch == "mamba1" else 2),
+        "forward_kernels": forward * layers,
+        "backward_kernels": backward * layers,
+    }

@@ -403,7 +403,7 @@ def test_the_norm_traces_inside_a_compiled_caller(grad):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_the_triton_scan_traces_inside_a_compiled_training_caller(backend):
     """`torch.compile(model)` / `Trainer(torch_compile=True)` with the Mamba-2 branch: Dynamo traces the scan's
-    autograd function and its launches under fullgraph (`ctx.set_materialize_grads` is one thing it refuses), with
+    autograd function and its launches under fullgraph (tests/test_kernels_compile.py checks the trace on CPU), with
     the reference's outputs and gradients, packed rows and an initial state included; and what the compiled graph
     saves for the backward is the scan's inputs, a fraction of what the same graph around the plain reference saves
     (the [L, L] products of every chunk)."""

@@ -74,14 +74,15 @@ class SSDChunkScanFunction(torch.autograd.Function):
         ctx.save_for_backward(x, dt, A, B, C, D, initial, segments)
         ctx.initial_dtype = initial_state.dtype if initial_state is not None else None
         ctx.chunk_size, ctx.blocks = chunk_size, blocks
+        ctx.set_materialize_grads(False)
         return y, final_state
 
     @staticmethod
     def backward(ctx, dy, d_final_state):
-        # Both gradients arrive materialised (zeros for an output that took none): Dynamo traces this function
-        # inside a compiled training step and does not take ctx.set_materialize_grads.
         x, dt, A, B, C, D, initial, segments = ctx.saved_tensors
-        dfinal = d_final_state.float().contiguous()
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
         states, _ = launch_ssd_chunk_walk(
             x, dt, A, B, segments, initial, ctx.chunk_size, ctx.blocks, reverse=False, with_end=False
         )

@@ -1,0 +1,77 @@
+"""Traces the model's training forward on its kernels as Dynamo traces it on a GPU, on a machine without one: run as
+`python tests/trace_on_fake_cuda.py mamba1|mamba2` (TRITON_INTERPRET unset), it prints one JSON line: how many graphs
+Dynamo made of `torch.compile(model.forward, fullgraph=True)` (fullgraph: a graph break is an error, printed), how many
+autograd functions those graphs hold, and the Triton kernels launched in their forward and backward bodies.
+
+The model and its inputs are CUDA tensors that exist only as fake tensors (shapes, dtypes, devices; no memory), and
+Dynamo is told that a Triton-capable GPU is present, so that it takes the kernels' launches as Triton kernels (the
+`triton_kernel_wrapper_mutation` operator of the graphs Inductor compiles) rather than as Python to inline. Nothing
+runs: the backend records the graph and stops. What this checks is Dynamo's side alone (what it can trace, and that the
+kernels enter the graph); Inductor's compile of the kernels and the numbers are the GPU tests' to check
+(tests/test_modeling_kernels.py, tests/test_ssd.py)."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.utils._triton
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from configuration import HybridConfig
+from modeling import HybridForCausalLM
+
+BRANCHES = {
+    "mamba1": {},
+    "mamba2": {"ssm_type": "mamba2", "ssm_intermediate_size": 48, "ssm_head_dim": 12, "ssm_n_groups": 2},
+}
+
+
+class GraphRecorded(Exception):
+    pass
+
+
+def launched_kernels(graph_module: torch.fx.GraphModule) -> list[str]:
+    """The names of the Triton kernels a graph launches, in order."""
+    return [
+        kernel_side_table.get_kernel(node.kwargs["kernel_idx"]).fn.__name__
+        for node in graph_module.graph.nodes
+        if node.target is torch.ops.higher_order.triton_kernel_wrapper_mutation
+    ]
+
+
+def trace(branch: str) -> dict:
+    torch.utils._triton.has_triton = lambda: True
+    config = HybridConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=16, **BRANCHES[branch],
+    )  # fmt: skip
+    recorded = {"graphs": 0, "autograd_functions": 0, "forward_kernels": [], "backward_kernels": []}
+
+    def record(graph_module, example_inputs):
+        recorded["graphs"] += 1
+        for node in graph_module.graph.nodes:
+            if node.target is torch.ops.higher_order.autograd_function_apply:
+                recorded["autograd_functions"] += 1
+                forward_body, backward_body = (getattr(graph_module, arg.target) for arg in node.args[:2])
+                recorded["forward_kernels"] += launched_kernels(forward_body)
+                recorded["backward_kernels"] += launched_kernels(backward_body)
+        raise GraphRecorded
+
+    with FakeTensorMode(), torch.device("cuda"):
+        model = HybridForCausalLM(config).train()
+        ids = torch.randint(3, 97, (2, 150))  # three of the Mamba-2 scan's chunks
+    model.set_attn_implementation("sdpa")
+    try:
+        torch.compile(model.forward, backend=record, fullgraph=True)(input_ids=ids, labels=ids)
+    except torch._dynamo.exc.BackendCompilerFailed as failure:
+        if not isinstance(failure.inner_exception, GraphRecorded):
+            raise
+    return recorded
+
+
+if __name__ == "__main__":
+    print(json.dumps(trace(sys.argv[1])))
