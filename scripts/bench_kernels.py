@@ -282,6 +282,18 @@ def bench_ssd(args) -> list[Row]:
     mamba1_err = rel_err(selective_scan_fn(*mamba1_inputs)[0], selective_scan_ref(*mamba1_inputs)[0])
     mamba1_ms = median_ms(mamba1_fwd_bwd)
 
+    # The layer's other branch at the same tokens: the probe's causal attention (16 query heads over 4 KV heads of 64)
+    # through SDPA, which picks cuDNN's fused attention on Hopper (FlashAttention 3 is not installed on the device).
+    q = randn(batch, 16, seq_len, 64).requires_grad_()
+    k, v = (randn(batch, 4, seq_len, 64).requires_grad_() for _ in range(2))
+    attention_dy = randn(batch, 16, seq_len, 64)
+
+    def attention_fwd_bwd():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return torch.autograd.grad(out, (q, k, v), attention_dy)
+
+    attention_ms = median_ms(attention_fwd_bwd)
+
     # One prompt's prefill through generate() (no grad): --ssd-prefill-len tokens, the same heads
     prefill_len = args.ssd_prefill_len
     prefill = ssd_inputs(1, prefill_len, heads, head_dim, state)
@@ -301,6 +313,9 @@ def bench_ssd(args) -> list[Row]:
         Row("ssd", "eager reference fwd+bwd", shape, ref_fb_ms, flops=3 * fwd_flops),
         Row("ssd", "Mamba-1 Triton scan fwd+bwd (anchor)", f"B={batch} T={seq_len} E={channels} N=16", mamba1_ms,
             rel_err=mamba1_err),
+        Row("ssd", "causal attention fwd+bwd, SDPA (anchor)", f"B={batch} T={seq_len} 16/4 heads x 64", attention_ms,
+            flops=3.5 * 2 * batch * 16 * seq_len * seq_len * 64,
+            note=f"the SSD scan takes {fb_ms / attention_ms:.2f}x its time"),
         Row("ssd", "Triton fwd, one prompt's prefill (no grad)", prefill_shape, prefill_ms, rel_err=prefill_err,
             note=f"{mamba1_prefill_ms / prefill_ms:.2f}x the Mamba-1 scan's speed"),
         Row("ssd", "Mamba-1 Triton scan fwd, same prefill (anchor)", f"B=1 T={prefill_len} E={channels} N=16",
