@@ -97,8 +97,8 @@ def ssd_chunk_scan_ref(
     """The same function in SSD's chunked form (the algorithm of the chunked kernels): within each chunk of L tokens
     a masked matrix product (C B^T weighted by the decays between tokens), across chunks a recurrence over the chunks'
     states, itself written as one masked product over the chunks. No Python loop over the input and no branch on
-    values: a caller compiled whole traces it (modeling/ops/ssd/interface.py). Same arguments and results as
-    `ssd_scan_ref`, plus the chunk length."""
+    values: a caller compiled whole traces it (the branch off its kernels: on CPU, with `use_ssm_kernels=False`, with
+    heads wider than the kernels take). Same arguments and results as `ssd_scan_ref`, plus the chunk length."""
     batch, length, num_heads, head_dim = x.shape
     repeat = _heads_per_group(num_heads, B)
     groups = B.shape[2]
