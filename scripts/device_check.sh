@@ -5,6 +5,9 @@
 #   bash scripts/device_check.sh kernels   # kernel + model tests on the GPU, then bench_kernels.py's table
 #   bash scripts/device_check.sh ssd       # Mamba-2's scan kernels: their tests and the model's on the GPU, then
 #                                          # bench_kernels.py --only ssd,train (the scan and the training step)
+#   bash scripts/device_check.sh mamba2-steps  # the Mamba-2 (N 128) training step against the model without the branch:
+#                                          # eager with one profiled step, then under torch.compile (the scan's
+#                                          # kernels traced into the step's graph)
 #   bash scripts/device_check.sh sweep     # launch-configuration sweeps of every kernel (--only sweep,scan_sweep,
 #                                          # then prefill_scan_sweep at the serving prefill shape)
 #   bash scripts/device_check.sh vllm [K]  # the vLLM tests on the GPU (vLLM staged first: ../shared/gpu/stage-vllm);
@@ -69,6 +72,15 @@ case "${1:-kernels}" in
     python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
       | tee "$OUT/bench_ssd_train.log" | tail -25
     exit $((tests_status || PIPESTATUS[0]))
+    ;;
+  mamba2-steps)
+    mamba2=(--set ssm_type=mamba2 --set ssm_state_size=128)
+    timeout 200 python3 scripts/bisect_train_step.py . --swa-tree . --rounds 1 --profile-trees . "${mamba2[@]}" \
+      --json "$OUT/train_step_mamba2.json" 2>&1 | tee "$OUT/train_step_mamba2.log" | tail -40
+    eager_status=${PIPESTATUS[0]}
+    timeout 360 python3 scripts/bisect_train_step.py . --swa-tree . --rounds 1 --compile "${mamba2[@]}" \
+      --json "$OUT/train_step_mamba2_compiled.json" 2>&1 | tee "$OUT/train_step_mamba2_compiled.log" | tail -6
+    exit $((eager_status || PIPESTATUS[0]))
     ;;
   sweep)
     python3 scripts/bench_kernels.py --only sweep,scan_sweep --json "$OUT/sweep.json" 2>&1 | tee "$OUT/sweep.log" | tail -80
@@ -172,7 +184,7 @@ case "${1:-kernels}" in
     exit $((tests_status || serving_status))
     ;;
   *)
-    echo "usage: $0 kernels|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS" >&2
+    echo "usage: $0 kernels|ssd|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS" >&2
     exit 2
     ;;
 esac
