@@ -66,10 +66,11 @@ case "${1:-kernels}" in
     # Mamba-2's chunked scan on its Triton kernels: against the reference (gradients included) and in the model's
     # training step and generation, then timed against the Inductor-compiled reference it replaced and the Mamba-1
     # scan, and the training step of both branches against the model without the branch.
-    python3 -m pytest -q -p no:warnings tests/test_ssd.py tests/test_mamba2.py tests/test_modeling_kernels.py \
+    # Each under a time limit that leaves the other its share of the call (the tests took 303 s on an H100).
+    timeout 400 python3 -m pytest -q -p no:warnings tests/test_ssd.py tests/test_mamba2.py tests/test_modeling_kernels.py \
       2>&1 | tee "$OUT/pytest_ssd.log" | tail -15
     tests_status=${PIPESTATUS[0]}
-    python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
+    timeout 170 python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
       | tee "$OUT/bench_ssd_train.log" | tail -25
     exit $((tests_status || PIPESTATUS[0]))
     ;;
