@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -58,6 +59,7 @@ LAYER_KERNELS = {  # what one layer's training step launches: (forward, backward
 }  # fmt: skip
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="fake CUDA tensors need a torch built with CUDA")
 @pytest.mark.parametrize("branch", ["mamba1", "mamba2"])
 def test_dynamo_traces_a_training_step_on_the_kernels_into_one_graph(branch):
     """`torch.compile(model.forward, fullgraph=True)` of a training forward on CUDA, as Dynamo traces it on a GPU

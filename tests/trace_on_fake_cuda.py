@@ -6,7 +6,7 @@ autograd functions those graphs hold, and the Triton kernels launched in their f
 The model and its inputs are CUDA tensors that exist only as fake tensors (shapes, dtypes, devices; no memory), and
 Dynamo is told that a Triton-capable GPU is present, so that it takes the kernels' launches as Triton kernels (the
 `triton_kernel_wrapper_mutation` operator of the graphs Inductor compiles) rather than as Python to inline. Nothing
-runs: the backend records the graph and stops. What this checks is Dynamo's side alone (what it can trace, and that the
+runs: the backend records the graph and stops. Needs a torch built with CUDA (the pinned one; no GPU needed). What this checks is Dynamo's side alone (what it can trace, and that the
 kernels enter the graph); Inductor's compile of the kernels and the numbers are the GPU tests' to check
 (tests/test_modeling_kernels.py, tests/test_ssd.py)."""
 
@@ -61,10 +61,15 @@ def trace(branch: str) -> dict:
                 recorded["backward_kernels"] += launched_kernels(backward_body)
         raise GraphRecorded
 
-    with FakeTensorMode(), torch.device("cuda"):
-        model = HybridForCausalLM(config).train()
-        ids = torch.randint(3, 97, (2, 150))  # three of the Mamba-2 scan's chunks
+    model = HybridForCausalLM(config).train()
     model.set_attn_implementation("sdpa")
+    with FakeTensorMode(), torch.device("cuda"):
+        # The weights and tokens as fake CUDA tensors of the same shapes (made empty: random fills need a CUDA
+        # generator, which a CPU-only torch build does not have)
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                setattr(module, name, torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype)))
+        ids = torch.empty(2, 150, dtype=torch.long)  # three of the Mamba-2 scan's chunks
     try:
         torch.compile(model.forward, backend=record, fullgraph=True)(input_ids=ids, labels=ids)
     except torch._dynamo.exc.BackendCompilerFailed as failure:
