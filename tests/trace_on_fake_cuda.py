@@ -6,9 +6,9 @@ autograd functions those graphs hold, and the Triton kernels launched in their f
 The model and its inputs are CUDA tensors that exist only as fake tensors (shapes, dtypes, devices; no memory), and
 Dynamo is told that a Triton-capable GPU is present, so that it takes the kernels' launches as Triton kernels (the
 `triton_kernel_wrapper_mutation` operator of the graphs Inductor compiles) rather than as Python to inline. Nothing
-runs: the backend records the graph and stops. Needs a torch built with CUDA (the pinned one; no GPU needed). What this checks is Dynamo's side alone (what it can trace, and that the
-kernels enter the graph); Inductor's compile of the kernels and the numbers are the GPU tests' to check
-(tests/test_modeling_kernels.py, tests/test_ssd.py)."""
+runs: the backend records the graph and stops. Needs a torch built with CUDA (the pinned one; no GPU needed). What
+this checks is Dynamo's side alone (what it can trace, and that the kernels enter the graph); Inductor's compile of
+the kernels and the numbers are the GPU tests' to check (tests/test_modeling_kernels.py, tests/test_ssd.py)."""
 
 import json
 import sys
