@@ -33,18 +33,18 @@ import traceback
 import warnings
 from pathlib import Path
 
-CONFIG = dict(
-    vocab_size=32000,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=24,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=64,
-    sliding_window=1024,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
+CONFIG = {
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "sliding_window": 1024,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
 HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
@@ -125,7 +125,11 @@ def config_field(text: str) -> tuple[str, object]:
 
 
 def worker(
-    use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False,
+    use_ssm_branch: bool,
+    profile: bool,
+    steps: int,
+    find_syncs: bool = False,
+    compile: bool = False,
     fields: dict | None = None,
 ) -> dict:
     """One tree's step, in this process (the tree first on sys.path); `compile`: the model under `torch.compile`
@@ -170,7 +174,8 @@ def worker(
     if find_syncs:
         result["sync_sites"] = sync_sites(step)
     if profile:
-        from torch.profiler import ProfilerActivity, profile as profiler
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
 
         with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
@@ -184,7 +189,12 @@ def worker(
 
 
 def run_tree(
-    tree: Path, use_ssm_branch: bool, profile: bool, steps: int, find_syncs: bool = False, compile: bool = False,
+    tree: Path,
+    use_ssm_branch: bool,
+    profile: bool,
+    steps: int,
+    find_syncs: bool = False,
+    compile: bool = False,
     fields: dict | None = None,
 ) -> dict:
     command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
@@ -212,8 +222,14 @@ def main() -> int:
     parser.add_argument(
         "--compile", action="store_true", help="every model under torch.compile (the step times exclude compiling)"
     )
-    parser.add_argument("--set", type=config_field, action="append", default=[], metavar="KEY=VALUE",
-                        help="a config field of every probe (repeatable)")
+    parser.add_argument(
+        "--set",
+        type=config_field,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config field of every probe (repeatable)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--no-ssm", action="store_true", help=argparse.SUPPRESS)
@@ -244,9 +260,11 @@ def main() -> int:
     for tree in filter(None, args.profile_trees.split(",")):
         run = (Path(tree), True)
         results[label[run]]["profile"] = profiled = run_tree(Path(tree), True, True, args.steps, fields=fields)
-        print(f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
-              f"of kernels in a {profiled.get('step_ms', 0):.1f} ms step\n{profiled.get('top_kernels', profiled)}",
-              flush=True)
+        print(
+            f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
+            f"of kernels in a {profiled.get('step_ms', 0):.1f} ms step\n{profiled.get('top_kernels', profiled)}",
+            flush=True,
+        )
         save()
     for round_index in range(args.rounds):
         for run in runs if round_index % 2 == 0 else runs[::-1]:
@@ -262,10 +280,12 @@ def main() -> int:
                 if "compile_s" in result
                 else ""
             )
-            print(f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
-                  f"(host issues it in {result.get('host_ms', float('nan')):6.1f} ms)  "
-                  f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}{compiled}",
-                  flush=True)
+            print(
+                f"round {round_index} {label[run]:22s} {result.get('step_ms', float('nan')):7.1f} ms  "
+                f"(host issues it in {result.get('host_ms', float('nan')):6.1f} ms)  "
+                f"peak {result.get('peak_gib', float('nan')):5.2f} GiB {result.get('error', '')}{compiled}",
+                flush=True,
+            )
             save()
     anchor_times = results[label[runs[-1]]]["steps_ms"] if args.swa_tree else []
     anchor = statistics.median(anchor_times) if anchor_times else None
