@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MAMBA2_BRANCH, tiny_config
 
 pytest.importorskip("triton")
 
@@ -67,14 +68,15 @@ def test_dynamo_traces_a_training_step_on_the_kernels_into_one_graph(branch):
     functions (Mamba-1: one, the fused branch; Mamba-2: the conv and the scan), their Triton kernels in the graph's
     forward and backward bodies. Mamba-2's scan ran its reference inside compiled callers before (the trace then held
     the conv's kernels alone)."""
+    config = tiny_config(**(MAMBA2_BRANCH if branch == "mamba2" else {}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "trace_on_fake_cuda.py"), branch],
+        [sys.executable, str(REPO / "tests" / "trace_on_fake_cuda.py"), config.to_json_string()],
         env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     traced = json.loads(done.stdout.strip().splitlines()[-1])
-    layers = 2
+    layers = config.num_hidden_layers
     forward, backward = LAYER_KERNELS[branch]
     assert traced == {
         "graphs": 1,

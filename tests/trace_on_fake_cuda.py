@@ -1,7 +1,8 @@
 """Traces the model's training forward on its kernels as Dynamo traces it on a GPU, on a machine without one: run as
-`python tests/trace_on_fake_cuda.py mamba1|mamba2` (TRITON_INTERPRET unset), it prints one JSON line: how many graphs
-Dynamo made of `torch.compile(model.forward, fullgraph=True)` (fullgraph: a graph break is an error, printed), how many
-autograd functions those graphs hold, and the Triton kernels launched in their forward and backward bodies.
+`python tests/trace_on_fake_cuda.py CONFIG_JSON` (a `HybridConfig` as JSON text; TRITON_INTERPRET unset: the tests
+hand it conftest's `tiny_config`), it prints one JSON line: how many graphs Dynamo made of
+`torch.compile(model.forward, fullgraph=True)` (fullgraph: a graph break is an error, printed), how many autograd
+functions those graphs hold, and the Triton kernels launched in their forward and backward bodies.
 
 The model and its inputs are CUDA tensors that exist only as fake tensors (shapes, dtypes, devices; no memory), and
 Dynamo is told that a Triton-capable GPU is present, so that it takes the kernels' launches as Triton kernels (the
@@ -24,11 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from configuration import HybridConfig
 from modeling import HybridForCausalLM
 
-BRANCHES = {
-    "mamba1": {},
-    "mamba2": {"ssm_type": "mamba2", "ssm_intermediate_size": 48, "ssm_head_dim": 12, "ssm_n_groups": 2},
-}
-
 
 class GraphRecorded(Exception):
     pass
@@ -43,12 +39,8 @@ def launched_kernels(graph_module: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def trace(branch: str) -> dict:
+def trace(config: HybridConfig) -> dict:
     torch.utils._triton.has_triton = lambda: True
-    config = HybridConfig(
-        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, sliding_window=16, **BRANCHES[branch],
-    )  # fmt: skip
     recorded = {"graphs": 0, "autograd_functions": 0, "forward_kernels": [], "backward_kernels": []}
 
     def record(graph_module, example_inputs):
@@ -79,4 +71,4 @@ def trace(branch: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(trace(sys.argv[1])))
+    print(json.dumps(trace(HybridConfig.from_dict(json.loads(sys.argv[1])))))
