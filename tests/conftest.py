@@ -87,6 +87,23 @@ def tiny_config(**overrides) -> HybridConfig:
     return HybridConfig(**fields)
 
 
+def padded_and_packed_rows(
+    batch: int, seq_len: int, padded: bool, packed: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(padding_mask, seq_idx) for a training op's test: row 0 left-padded over its first third, as generate() and
+    padded training batches have it, and/or packing three sequences (the last 4 tokens one of them); other rows one
+    unpadded sequence. None for what is not asked."""
+    padding_mask = seq_idx = None
+    if padded:
+        padding_mask = torch.ones(batch, seq_len, dtype=torch.long)
+        padding_mask[0, : seq_len // 3] = 0
+    if packed:
+        seq_idx = torch.zeros(batch, seq_len, dtype=torch.int32)
+        seq_idx[0, 5:] = 1
+        seq_idx[0, seq_len - 4 :] = 2
+    return padding_mask, seq_idx
+
+
 def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     """Gives the zero-initialised SSM output projection (and the norms) random values, so every path matters."""
     generator = torch.Generator().manual_seed(seed)

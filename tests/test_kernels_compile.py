@@ -55,7 +55,7 @@ LAYER_KERNELS = {  # what one layer's training step launches: (forward, backward
     ),
     "mamba2": (
         ["_causal_conv1d_fwd_kernel", "_ssd_chunk_walk_kernel", "_ssd_outputs_fwd_kernel"],
-        ["_causal_conv1d_bwd_kernel", "_ssd_chunk_walk_kernel", "_ssd_chunk_walk_kernel", "_ssd_chunk_bwd_kernel"],
+        ["_ssd_chunk_walk_kernel", "_ssd_chunk_walk_kernel", "_ssd_chunk_bwd_kernel", "_causal_conv1d_bwd_kernel"],
     ),
 }  # fmt: skip
 
@@ -64,10 +64,10 @@ LAYER_KERNELS = {  # what one layer's training step launches: (forward, backward
 @pytest.mark.parametrize("branch", ["mamba1", "mamba2"])
 def test_dynamo_traces_a_training_step_on_the_kernels_into_one_graph(branch):
     """`torch.compile(model.forward, fullgraph=True)` of a training forward on CUDA, as Dynamo traces it on a GPU
-    (tests/trace_on_fake_cuda.py: fake CUDA tensors, nothing run): one graph, each layer's branch as its autograd
-    functions (Mamba-1: one, the fused branch; Mamba-2: the conv and the scan), their Triton kernels in the graph's
-    forward and backward bodies. Mamba-2's scan ran its reference inside compiled callers before (the trace then held
-    the conv's kernels alone)."""
+    (tests/trace_on_fake_cuda.py: fake CUDA tensors, nothing run): one graph, each layer's branch as one autograd
+    function (the fused branch: mamba_inner, mamba2_inner), its Triton kernels in the graph's forward and backward
+    bodies. Mamba-2's scan ran its reference inside compiled callers before (the trace then held the conv's kernels
+    alone)."""
     config = tiny_config(**(MAMBA2_BRANCH if branch == "mamba2" else {}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run(
@@ -80,7 +80,7 @@ def test_dynamo_traces_a_training_step_on_the_kernels_into_one_graph(branch):
     forward, backward = LAYER_KERNELS[branch]
     assert traced == {
         "graphs": 1,
-        "autograd_functions": layers * (1 if branch == "mamba1" else 2),
+        "autograd_functions": layers,
         "forward_kernels": forward * layers,
         "backward_kernels": backward * layers,
     }

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import padded_and_packed_rows
 
 from modeling.ops.mamba_inner import mamba_inner_ref, mamba_inner_step_ref
 
@@ -92,14 +93,7 @@ def test_output_and_every_gradient_match_the_reference(
     inner, batch, seq_len, channels, state, dt_rank, dtype, padded, packed
 ):
     tensors = random_branch(batch, seq_len, channels, state, dt_rank)
-    padding_mask = seq_idx = None
-    if padded:  # left padding of row 0, as generate() and padded training batches have it
-        padding_mask = torch.ones(batch, seq_len, dtype=torch.long)
-        padding_mask[0, : seq_len // 3] = 0
-    if packed:  # row 0 packs three sequences; the others one
-        seq_idx = torch.zeros(batch, seq_len, dtype=torch.int32)
-        seq_idx[0, 5:] = 1
-        seq_idx[0, seq_len - 4 :] = 2
+    padding_mask, seq_idx = padded_and_packed_rows(batch, seq_len, padded, packed)
     (leaves, y), (ref_leaves, y_ref) = run_both(inner, tensors, dtype, padding_mask, seq_idx)
 
     tol = TOL[dtype]

@@ -26,6 +26,17 @@ class HistoryBranch(nn.Module, ABC):
         super().__init__()
         self.layer_idx = layer_idx
 
+    def _are_plain(self, *modules: tuple[nn.Module, type]) -> bool:
+        """Whether a fused op may read these (module, plain type) pairs' weights directly instead of calling them:
+        only when each is exactly its plain type with no hooks, and no global module hook is set. An adapter
+        (PEFT), a quantised layer or a hook on any of them needs the module path, which calls each module."""
+        hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+        if any(getattr(nn.modules.module, f"_global{name}") for name in hooks):
+            return False
+        return all(
+            type(module) is plain and not any(getattr(module, name) for name in hooks) for module, plain in modules
+        )
+
     @abstractmethod
     def forward(
         self,

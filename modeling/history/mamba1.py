@@ -186,16 +186,8 @@ class Mamba1Branch(HistoryBranch):
         return y[:, None]
 
     def _inner_modules_are_plain(self) -> bool:
-        """Whether `mamba_inner` may read conv1d's, x_proj's and dt_proj's weights directly instead of calling them:
-        only when they are the plain torch modules with no hooks. An adapter (PEFT), a quantised layer or a hook on
-        any of them needs the module path, which calls each module."""
-        hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        if any(getattr(nn.modules.module, f"_global{name}") for name in hooks):
-            return False
-        return all(
-            type(module) is plain and not any(getattr(module, name) for name in hooks)
-            for module, plain in ((self.conv1d, nn.Conv1d), (self.x_proj, nn.Linear), (self.dt_proj, nn.Linear))
-        )
+        """Whether `mamba_inner` may read conv1d's, x_proj's and dt_proj's weights directly (`_are_plain`)."""
+        return self._are_plain((self.conv1d, nn.Conv1d), (self.x_proj, nn.Linear), (self.dt_proj, nn.Linear))
 
     def _ops_for(self, hidden_states: torch.Tensor) -> Mamba1Ops:
         """The Triton kernels for CUDA tensors, else the PyTorch references."""

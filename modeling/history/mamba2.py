@@ -21,18 +21,23 @@ from ..ops import (
     causal_conv1d_update_ref,
     decay_rates,
     gated_rms_norm_ref,
+    mamba2_inner_ref,
     ssd_chunk_scan_ref,
     ssd_state_update_ref,
 )
+from ..ops.mamba2_inner.reference import split_heads_and_groups
 from .branch import HistoryBranch
 
 logger = logging.get_logger(__name__)
 
 # On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan's Triton
-# kernels, the gated norm compiled by Inductor, the decode step's state update in its Triton kernel.
+# kernels, the gated norm compiled by Inductor, the decode step's state update in its Triton kernel, and the branch
+# between its projections as one op over these (training and cache-free forwards).
 causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan_fn = gated_rms_norm = ssd_state_update = None
+mamba2_inner_fn = None
 if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
+    from ..ops.mamba2_inner.interface import mamba2_inner_fn
     from ..ops.ssd.compiled import gated_rms_norm
     from ..ops.ssd.decode import ssd_state_update
     from ..ops.ssd.forward import MAX_HEAD_DIM
@@ -101,14 +106,23 @@ class Mamba2Branch(HistoryBranch):
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
         layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
 
-        # 1. Input projection: z gates the output, xBC feeds the conv, dt the step. Padding is zeroed so that the
-        #    conv of the first real token sees the zero history of a sequence start.
-        z, xBC, dt = self.in_proj(hidden_states).split(
-            [self.intermediate_size, self.conv_channels, self.num_heads], dim=-1
-        )
+        # 1. Input projection: z gates the output, xBC feeds the conv, dt the step.
+        zxbcdt = self.in_proj(hidden_states)
+        on_kernels = self._on_kernels(hidden_states)
+        if past_key_values is None and self._inner_modules_are_plain(on_kernels):
+            # Steps 2-5 below as one op: on the kernels one autograd node instead of about 45
+            weights = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
+            if on_kernels:
+                y = mamba2_inner_fn(zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx)
+            else:
+                y = mamba2_inner_ref(
+                    zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx, self.chunk_size
+                )
+            return self.out_proj(y)
+        # Padding is zeroed so that the conv of the first real token sees the zero history of a sequence start.
+        z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
         if padding_mask is not None:
             xBC = xBC * padding_mask[..., None].to(xBC.dtype)
-        on_kernels = self._on_kernels(hidden_states)
         if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past:
             return self.out_proj(self._decode_step(z, xBC, dt, layer_cache, padding_mask, on_kernels))
 
@@ -121,7 +135,7 @@ class Mamba2Branch(HistoryBranch):
             past_key_values.update_conv_state(
                 xBC.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_kernel_size - 1
             )
-        x, B, C = self._heads_and_groups(xBC_conv)
+        x, B, C = split_heads_and_groups(xBC_conv, self.intermediate_size, self.num_heads, self.n_groups)
 
         # 3. The step per head, in fp32; a padding token steps by zero and leaves the state as it was.
         dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
@@ -159,7 +173,7 @@ class Mamba2Branch(HistoryBranch):
         state_update = ssd_state_update if on_kernels else ssd_state_update_ref
         conv_state = layer_cache.conv_states[0]
         xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
-        x, B, C = self._heads_and_groups(xBC)
+        x, B, C = split_heads_and_groups(xBC, self.intermediate_size, self.num_heads, self.n_groups)
         dt = F.softplus(dt[:, 0].float() + self.dt_bias.float())  # [B, Hs]
         if padding_mask is not None:
             dt = dt * padding_mask[:, -1:].to(dt.dtype)
@@ -171,12 +185,12 @@ class Mamba2Branch(HistoryBranch):
         """The Triton kernels for CUDA tensors (Triton installed), unless the config says `use_ssm_kernels=False`."""
         return hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn is not None
 
-    def _heads_and_groups(self, xBC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [..., E + 2GN] as x [..., Hs, P], B and C [..., G, N]."""
-        group_channels = self.n_groups * self.state_size
-        x, B, C = xBC.split([self.intermediate_size, group_channels, group_channels], dim=-1)
-        groups = (self.n_groups, self.state_size)
-        return x.unflatten(-1, (self.num_heads, self.head_dim)), B.unflatten(-1, groups), C.unflatten(-1, groups)
+    def _inner_modules_are_plain(self, on_kernels: bool) -> bool:
+        """Whether the inner op may read conv1d's and the norm's weights directly (`_are_plain`), and on the kernels
+        whether they take this model's heads (wider ones run the module path, its scan on the reference)."""
+        if on_kernels and self.head_dim > MAX_HEAD_DIM:
+            return False
+        return self._are_plain((self.conv1d, nn.Conv1d), (self.norm, Mamba2GatedRMSNorm))
 
     def state_numel(self) -> tuple[int, int]:
         return self.conv_channels * (self.conv_kernel_size - 1), self.num_heads * self.head_dim * self.state_size

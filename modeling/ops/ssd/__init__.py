@@ -3,7 +3,8 @@
 reference.py   the plain-PyTorch references: the recurrence token by token (`ssd_scan_ref`), the same in SSD's chunked
                form (`ssd_chunk_scan_ref`, the algorithm chunked kernels follow), the one-token decode update
                (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
-               (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`)
+               (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`) with its gradients written out
+               (`gated_rms_norm_bwd_ref`)
 
 forward.py     the chunked scan's forward kernels: the walk over the chunks (the states entering each chunk; reversed,
                their gradients), then the outputs; the launch shapes (`SSDBlocks`)
@@ -12,13 +13,15 @@ backward.py    its backward: the states recomputed and their gradients walked ba
 interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract; import it
                where it is used, as the other ops' kernel modules)
 
-compiled.py    the gated norm on CUDA: its reference compiled by TorchInductor (`gated_rms_norm`)
+compiled.py    the gated norm on CUDA: its references compiled by TorchInductor (`gated_rms_norm`,
+               `gated_rms_norm_bwd`)
 
 decode.py      the decode update's Triton kernel (`ssd_state_update`, the reference's contract; a custom op under
                torch.compile)
 """
 
 from .reference import (
+    gated_rms_norm_bwd_ref,
     gated_rms_norm_ref,
     ssd_chunk_scan_ref,
     ssd_scan_ref,
@@ -26,4 +29,11 @@ from .reference import (
     ssd_varlen_scan_ref,
 )
 
-__all__ = ["gated_rms_norm_ref", "ssd_chunk_scan_ref", "ssd_scan_ref", "ssd_state_update_ref", "ssd_varlen_scan_ref"]
+__all__ = [
+    "gated_rms_norm_bwd_ref",
+    "gated_rms_norm_ref",
+    "ssd_chunk_scan_ref",
+    "ssd_scan_ref",
+    "ssd_state_update_ref",
+    "ssd_varlen_scan_ref",
+]

@@ -5,6 +5,8 @@ pairs them, gradients included).
     ssd_chunk_scan_fn   x [b, T, H, P], dt [b, T, H], A [H], B and C [b, T, G, N], D [H], initial_state [b, H, P, N]
                         or None, seq_idx [b, T] or None -> (y [b, T, H, P] in x's dtype, final state fp32 [b, H, P, N]),
                         gradients for every floating-point input and from the final state's gradient too
+    ssd_chunk_scan_fwd  its forward and backward over checked inputs, for ops that call the scan inside their own
+    ssd_chunk_scan_bwd  autograd (mamba2_inner)
 """
 
 import torch
@@ -61,15 +63,42 @@ def check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int)
             raise ValueError(f"{name}: expected a tensor on {x.device}, got one on {tensor.device}")
 
 
+def ssd_chunk_scan_fwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, initial: Tensor | None,
+    segments: Tensor | None, chunk_size: int, blocks: SSDBlocks, with_final_state: bool = True,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """y and the final state (None without `with_final_state`) over checked inputs: A and D contiguous, `initial`
+    fp32 contiguous or None, `segments` from `sequence_segments`. Keeps nothing: the backward recomputes the states."""
+    states, final_state = launch_ssd_chunk_walk(
+        x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=with_final_state
+    )
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size, blocks)
+    return y, final_state
+
+
+def ssd_chunk_scan_bwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, initial: Tensor | None,
+    segments: Tensor | None, dy: Tensor, dfinal: Tensor | None, chunk_size: int, blocks: SSDBlocks,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """Gradients of (x, dt, A, B, C, D, initial) from dy and the final state's gradient (fp32 contiguous or None),
+    the forward's arguments given again; dt's, A's, D's and the initial state's in fp32, the others in their
+    inputs' dtypes. The states entering the chunks are recomputed first."""
+    states, _ = launch_ssd_chunk_walk(
+        x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=False
+    )
+    return launch_ssd_chunk_scan_bwd(
+        x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, chunk_size, blocks
+    )
+
+
 class SSDChunkScanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, initial_state, seq_idx, chunk_size: int, blocks: SSDBlocks):
         segments = sequence_segments(seq_idx)
         A, D = A.contiguous(), D.contiguous()  # read as A[h], D[h]
         initial = initial_state.float().contiguous() if initial_state is not None else None
-        states, final_state = launch_ssd_chunk_walk(x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False)
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size, blocks)
+        y, final_state = ssd_chunk_scan_fwd(x, dt, A, B, C, D, initial, segments, chunk_size, blocks)
         # The states are recomputed in the backward: P*N/L fp32 values per token and head, 8x the input's bytes.
         ctx.save_for_backward(x, dt, A, B, C, D, initial, segments)
         ctx.initial_dtype = initial_state.dtype if initial_state is not None else None
@@ -83,11 +112,8 @@ class SSDChunkScanFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
-        states, _ = launch_ssd_chunk_walk(
-            x, dt, A, B, segments, initial, ctx.chunk_size, ctx.blocks, reverse=False, with_end=False
-        )
-        dx, ddt, dA, dB, dC, dD, dh0 = launch_ssd_chunk_scan_bwd(
-            x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, ctx.chunk_size, ctx.blocks
+        dx, ddt, dA, dB, dC, dD, dh0 = ssd_chunk_scan_bwd(
+            x, dt, A, B, C, D, initial, segments, dy, dfinal, ctx.chunk_size, ctx.blocks
         )
         d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
         return dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, dD.to(D.dtype), d_initial, None, None, None

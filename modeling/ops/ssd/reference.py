@@ -232,3 +232,24 @@ def gated_rms_norm_ref(
     groups = gated.unflatten(-1, (-1, group_size))
     normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
     return (normed.flatten(-2) * weight.float()).to(y.dtype)
+
+
+def gated_rms_norm_bwd_ref(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, dout: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of `gated_rms_norm_ref` (same arguments, and dout, the output's gradient), written out for ops
+    that run the norm inside their own autograd (mamba2_inner): with g = y silu(z) and n = g / rms(g) per group,
+    dg = (dn - n mean(dn n)) / rms(g) where dn = dout weight, dweight = sum of dout n over the tokens. In fp32; returns
+    (dy in y's dtype, dz in z's dtype, dweight [E] in weight's dtype)."""
+    y32, z32, dout32 = y.float(), z.float(), dout.float()
+    gate = torch.sigmoid(z32)
+    silu_z = z32 * gate
+    groups = (y32 * silu_z).unflatten(-1, (-1, group_size))
+    inv_rms = torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    normed = groups * inv_rms
+    dweight = (dout32 * normed.flatten(-2)).reshape(-1, weight.shape[0]).sum(0)
+    dnormed = (dout32 * weight.float()).unflatten(-1, (-1, group_size))
+    dgated = (inv_rms * (dnormed - normed * (dnormed * normed).mean(-1, keepdim=True))).flatten(-2)
+    dy = dgated * silu_z
+    dz = dgated * y32 * gate * (1 + z32 * (1 - gate))  # silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z)))
+    return dy.to(y.dtype), dz.to(z.dtype), dweight.to(weight.dtype)

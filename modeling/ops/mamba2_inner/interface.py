@@ -1,0 +1,164 @@
+"""The Mamba-2 branch between its projections on the kernels as one autograd node (`mamba2_inner_fn`, the contract
+of `mamba2_inner_ref`): the causal conv's kernels, the chunked scan's (modeling/ops/ssd) and the gated norm, its
+forward and written-out backward compiled on CUDA (their references in Triton's interpreter).
+
+Why one node: built from its modules, the branch records about 45 autograd nodes a layer (the split, the conv, the
+step's casts and softplus, -exp(A_log), the scan, the norm's dozen elementwise ops and the views between them), and a
+training step of the issue-36 probe is host-bound on an H200 and an H100 (BENCHMARKS.md). Here the backward calls the
+kernels directly and takes the step's softplus and bias, the conv's padding and the norm's gradients in a few ops.
+"""
+
+import torch
+
+from ..causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
+from ..decay import decay_rates
+from ..ssd.compiled import gated_rms_norm, gated_rms_norm_bwd
+from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
+from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
+from ..ssd.reference import gated_rms_norm_bwd_ref, gated_rms_norm_ref
+from ..triton_utils import check_index
+from .reference import split_heads_and_groups
+
+
+class Mamba2InnerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, padding_mask, seq_idx, n_groups: int,
+        eps: float, blocks: SSDBlocks,
+    ):  # fmt: skip
+        intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
+        z, xBC, dt_in = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
+        xBC_conv = causal_conv1d_fwd(
+            _conv_input(xBC, padding_mask), conv_weight[:, 0], conv_bias, "silu", seq_idx=seq_idx
+        )
+        x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, n_groups)
+        dt = _step(dt_in, dt_bias, padding_mask)
+        A, D = decay_rates(A_log), D.contiguous()
+        check_ssd_inputs(x, dt, A, B, C, D, None, seq_idx, CHUNK)
+        segments = sequence_segments(seq_idx)
+        y, _ = ssd_chunk_scan_fwd(x, dt, A, B, C, D, None, segments, CHUNK, blocks, with_final_state=False)
+        y = y.flatten(-2)  # [B, T, E]
+        norm = gated_rms_norm if zxbcdt.is_cuda else gated_rms_norm_ref
+        out = norm(y, z, norm_weight, intermediate_size // n_groups, eps)
+        # Kept for the backward: the conv's output (the scan's x, B and C), the step and the scan's output (the
+        # norm's input), all smaller than the fp32 copies the module path's autograd keeps for the norm alone.
+        ctx.save_for_backward(
+            zxbcdt,
+            conv_weight,
+            conv_bias,
+            dt_bias,
+            A,
+            D,
+            norm_weight,
+            padding_mask,
+            seq_idx,
+            segments,
+            xBC_conv,
+            dt,
+            y,
+        )
+        ctx.n_groups, ctx.eps, ctx.blocks, ctx.A_log_dtype = n_groups, eps, blocks, A_log.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (
+            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, padding_mask, seq_idx, segments, xBC_conv, dt,
+            y,
+        ) = ctx.saved_tensors  # fmt: skip
+        intermediate_size, num_heads = norm_weight.shape[0], A.shape[0]
+        z, xBC, dt_in = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
+        norm_bwd = gated_rms_norm_bwd if zxbcdt.is_cuda else gated_rms_norm_bwd_ref
+        dy, dz, d_norm_weight = norm_bwd(y, z, norm_weight, intermediate_size // ctx.n_groups, ctx.eps, dout)
+
+        x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, ctx.n_groups)
+        dx, ddt, dA, dB, dC, dD, _ = ssd_chunk_scan_bwd(
+            x, dt, A, B, C, D, None, segments, dy.unflatten(-1, (num_heads, -1)), None, CHUNK, ctx.blocks
+        )
+        # dt = softplus(dt_in + dt_bias), times the mask: softplus' derivative is the sigmoid.
+        ddt = ddt * torch.sigmoid(dt_in.float() + dt_bias.float())
+        if padding_mask is not None:
+            ddt = ddt * padding_mask[..., None].to(ddt.dtype)
+        d_xBC_conv = torch.cat([dx.flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
+        d_xBC, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
+            _conv_input(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx
+        )
+        if padding_mask is not None:
+            d_xBC = d_xBC * padding_mask[..., None].to(d_xBC.dtype)
+        d_zxbcdt = torch.cat([dz, d_xBC, ddt.to(zxbcdt.dtype)], dim=-1)
+        dA_log = (dA * A).to(ctx.A_log_dtype)  # A = -exp(A_log)
+        return (
+            d_zxbcdt, d_conv_weight[:, None], d_conv_bias, ddt.sum((0, 1)).to(dt_bias.dtype), dA_log,
+            dD.to(D.dtype), d_norm_weight, None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _conv_input(xBC: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """xBC with padding zeroed (xBC itself, a view of zxbcdt, when there is none)."""
+    return xBC if padding_mask is None else xBC * padding_mask[..., None].to(xBC.dtype)
+
+
+def _step(dt_in: torch.Tensor, dt_bias: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """softplus(dt_in + dt_bias) in fp32 [B, T, Hs], zero at padding."""
+    dt = torch.nn.functional.softplus(dt_in.float() + dt_bias.float())
+    return dt if padding_mask is None else dt * padding_mask[..., None].to(dt.dtype)
+
+
+def mamba2_inner_fn(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    eps: float,
+    padding_mask: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`mamba2_inner_ref` on the kernels as one autograd node: same arguments (the chunk is the kernels' tile, 64:
+    the result does not depend on it) and result, gradients for every tensor but the mask and seq_idx. Heads of up
+    to `MAX_HEAD_DIM` channels. No cache: the conv starts from a zero history and the scan from a zero state, per row
+    or per packed sequence."""
+    if norm_weight.dim() != 1 or A_log.dim() != 1:
+        raise ValueError(
+            f"norm_weight must be [E] and A_log [Hs], got {tuple(norm_weight.shape)}, {tuple(A_log.shape)}"
+        )
+    intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
+    conv_channels = conv_weight.shape[0]
+    for name, tensor in (("dt_bias", dt_bias), ("D", D)):
+        if tuple(tensor.shape) != (num_heads,):
+            raise ValueError(f"{name} must be [Hs={num_heads}] (A_log's heads), got {tuple(tensor.shape)}")
+    if intermediate_size % num_heads or intermediate_size // num_heads > MAX_HEAD_DIM:
+        raise ValueError(
+            f"E={intermediate_size} (norm_weight) must be Hs={num_heads} heads of at most {MAX_HEAD_DIM} channels"
+        )
+    if (
+        num_heads % n_groups
+        or conv_channels <= intermediate_size
+        or (conv_channels - intermediate_size) % (2 * n_groups)
+    ):
+        raise ValueError(
+            f"conv_weight's {conv_channels} channels must be E + 2GN with E={intermediate_size} and G={n_groups} "
+            f"groups dividing the Hs={num_heads} heads"
+        )
+    if conv_weight.dim() != 3 or conv_weight.shape[1] != 1:
+        raise ValueError(f"conv_weight must be [E + 2GN, 1, K] (nn.Conv1d's), got {tuple(conv_weight.shape)}")
+    width = intermediate_size + conv_channels + num_heads
+    if zxbcdt.dim() != 3 or zxbcdt.shape[-1] != width:
+        raise ValueError(
+            f"zxbcdt must be [B, T, E + (E + 2GN) + Hs = {width}] (in_proj's output), got {tuple(zxbcdt.shape)}"
+        )
+    batch_size, seq_len = zxbcdt.shape[:2]
+    if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, seq_len):
+        raise ValueError(f"padding_mask must be [B, T] = {(batch_size, seq_len)}, got {tuple(padding_mask.shape)}")
+    if seq_idx is not None:
+        check_index("seq_idx", seq_idx, (batch_size, seq_len), like=zxbcdt)
+    if seq_len == 0:
+        return zxbcdt.new_empty(batch_size, 0, intermediate_size)
+    state_size = (conv_channels - intermediate_size) // (2 * n_groups)
+    blocks = pick_ssd_blocks(intermediate_size // num_heads, state_size)
+    return Mamba2InnerFunction.apply(
+        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, padding_mask, seq_idx, n_groups, eps, blocks
+    )

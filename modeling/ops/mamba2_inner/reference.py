@@ -1,0 +1,63 @@
+"""Plain-PyTorch reference of the Mamba-2 branch's inner op: the ground truth of `mamba2_inner_fn` (interface.py)."""
+
+import torch
+import torch.nn.functional as F
+
+from ..causal_conv1d.reference import causal_conv1d_ref
+from ..decay import decay_rates
+from ..ssd.reference import gated_rms_norm_ref, ssd_chunk_scan_ref
+
+
+def split_heads_and_groups(
+    xBC: torch.Tensor, intermediate_size: int, num_heads: int, n_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's output [..., E + 2GN] as views x [..., Hs, P], B and C [..., G, N]."""
+    group_channels = (xBC.shape[-1] - intermediate_size) // 2
+    x, B, C = xBC.split([intermediate_size, group_channels, group_channels], dim=-1)
+    return x.unflatten(-1, (num_heads, -1)), B.unflatten(-1, (n_groups, -1)), C.unflatten(-1, (n_groups, -1))
+
+
+def mamba2_inner_ref(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    eps: float,
+    padding_mask: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """The Mamba-2 branch from `zxbcdt = in_proj(h)` to what `out_proj` reads, with no cache (training, cache-free
+    forwards).
+
+    Args:
+        zxbcdt: [B, T, E + (E + 2GN) + Hs]: the gate z, the conv input xBC (x, B, C), the step dt before its bias.
+        conv_weight: [E + 2GN, 1, K] (nn.Conv1d's depthwise weight); conv_bias: [E + 2GN] or None.
+        dt_bias, A_log, D: [Hs]; norm_weight: [E], the gated norm's weight over G groups of E/G channels.
+        n_groups: G, the groups of heads that share B and C (and one norm group each); eps: the norm's epsilon.
+        padding_mask: [B, T], 1 for real tokens, 0 for padding, or None: a padding token's xBC is zeroed (the conv of
+            the first real token sees the zero history of a sequence start) and its step is 0 (it never enters the
+            state).
+        seq_idx: [B, T] index of the packed sequence of each token, or None (one sequence per row).
+        chunk_size: the chunked scan's chunk (the result does not depend on it; capped at T).
+
+    Returns:
+        [B, T, E] = gated_rms_norm(ssd(x, softplus(dt + dt_bias), -exp(A_log), B, C, D), z) with
+        (x, B, C) = silu(conv(xBC)); differentiable in every tensor but the mask and seq_idx.
+    """
+    intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
+    z, xBC, dt = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
+    if padding_mask is not None:
+        xBC = xBC * padding_mask[..., None].to(xBC.dtype)
+    xBC = causal_conv1d_ref(xBC, conv_weight[:, 0], conv_bias, "silu", None, seq_idx)
+    x, B, C = split_heads_and_groups(xBC, intermediate_size, num_heads, n_groups)
+    dt = F.softplus(dt.float() + dt_bias.float())  # [B, T, Hs]
+    if padding_mask is not None:
+        dt = dt * padding_mask[..., None].to(dt.dtype)
+    chunk = min(chunk_size, zxbcdt.shape[1])
+    y, _ = ssd_chunk_scan_ref(x, dt, decay_rates(A_log), B, C, D, chunk, None, seq_idx)
+    return gated_rms_norm_ref(y.flatten(-2), z, norm_weight, intermediate_size // n_groups, eps)
