@@ -23,6 +23,7 @@ Mamba-2 branch.
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import statistics
@@ -124,16 +125,29 @@ def config_field(text: str) -> tuple[str, object]:
         return key, value
 
 
-def worker(
-    use_ssm_branch: bool,
-    profile: bool,
-    steps: int,
-    find_syncs: bool = False,
-    compile: bool = False,
-    fields: dict | None = None,
-) -> dict:
-    """One tree's step, in this process (the tree first on sys.path); `compile`: the model under `torch.compile`
-    (its default mode; its first step compiles, timed apart), as `Trainer(torch_compile=True)` runs it."""
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What one run of a tree measures, handed from the parent to the worker process as JSON. `compile`: the model
+    under `torch.compile` (its default mode; its first step compiles, timed apart), as `Trainer(torch_compile=True)`
+    runs it; `fields`: config fields over `CONFIG`'s (`--set`)."""
+
+    use_ssm_branch: bool = True
+    profile: bool = False
+    steps: int = 5
+    find_syncs: bool = False
+    compile: bool = False
+    fields: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Probe":
+        return cls(**json.loads(text))
+
+
+def worker(probe: Probe) -> dict:
+    """One tree's step, in this process (the tree first on sys.path)."""
     import torch
 
     import modeling
@@ -145,35 +159,35 @@ def worker(
         raise RuntimeError(f"imported {modeling.__file__}, not the tree's modeling under {tree}")
     torch.manual_seed(0)
     with torch.device("cuda"):
-        config = HybridConfig(**CONFIG | (fields or {}), use_ssm_branch=use_ssm_branch)
+        config = HybridConfig(**CONFIG | probe.fields, use_ssm_branch=probe.use_ssm_branch)
         model = HybridForCausalLM(config).to(torch.bfloat16)
     model.set_attn_implementation("sdpa")
     model.train()
-    if compile:
+    if probe.compile:
         model.forward = torch.compile(model.forward)
     step = training_step(model, batch_size=2, seq_len=4096)
-    if compile:
+    if probe.compile:
         started = time.perf_counter()
         step()  # compiles the forward and the backward
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - started
-    times = step_times_ms(step, steps)
+    times = step_times_ms(step, probe.steps)
     result = {
         "step_ms": statistics.median(times),
         "steps_ms": times,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "host_ms": statistics.median(host_enqueue_ms(step, steps)),
+        "host_ms": statistics.median(host_enqueue_ms(step, probe.steps)),
         "params": sum(p.numel() for p in model.parameters()),
     }
-    if compile:
+    if probe.compile:
         from torch._dynamo.utils import counters
 
         result["compile_s"] = compile_s
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["graph_break_reasons"] = sorted(counters["graph_break"])[:10]
-    if find_syncs:
+    if probe.find_syncs:
         result["sync_sites"] = sync_sites(step)
-    if profile:
+    if probe.profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
 
@@ -188,21 +202,9 @@ def worker(
     return result
 
 
-def run_tree(
-    tree: Path,
-    use_ssm_branch: bool,
-    profile: bool,
-    steps: int,
-    find_syncs: bool = False,
-    compile: bool = False,
-    fields: dict | None = None,
-) -> dict:
-    command = [sys.executable, __file__, "--worker", str(tree), "--steps", str(steps)]
-    command += [f"--set={key}={json.dumps(value)}" for key, value in (fields or {}).items()]
-    command += ["--compile"] if compile else []
-    command += [] if use_ssm_branch else ["--no-ssm"]
-    command += ["--profile"] if profile else []
-    command += ["--sync-sites"] if find_syncs else []
+def run_tree(tree: Path, probe: Probe) -> dict:
+    """`worker(probe)` in a fresh process on `tree`'s own packages; its result, or the end of its error output."""
+    command = [sys.executable, __file__, "--worker", str(tree), "--probe", probe.to_json()]
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, check=False)
     if done.returncode != 0:
@@ -232,17 +234,16 @@ def main() -> int:
     )
     parser.add_argument("--json")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--no-ssm", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", type=Probe.from_json, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    fields = dict(args.set)
     if args.worker:
-        print(json.dumps(worker(not args.no_ssm, args.profile, args.steps, args.sync_sites, args.compile, fields)))
+        print(json.dumps(worker(args.probe)))
         return 0
+    fields = dict(args.set)
     if args.sync_sites:
         for tree in args.trees:
             for use_ssm_branch in (True, False):
-                result = run_tree(tree, use_ssm_branch, profile=False, steps=1, find_syncs=True, fields=fields)
+                result = run_tree(tree, Probe(use_ssm_branch, steps=1, find_syncs=True, fields=fields))
                 print(f"== {tree.name} {'hybrid' if use_ssm_branch else 'SSM off'}: {result.get('error', '')}")
                 for site, count in result.get("sync_sites", {}).items():
                     print(f"{count:4d}  {site}")
@@ -259,7 +260,8 @@ def main() -> int:
 
     for tree in filter(None, args.profile_trees.split(",")):
         run = (Path(tree), True)
-        results[label[run]]["profile"] = profiled = run_tree(Path(tree), True, True, args.steps, fields=fields)
+        probe = Probe(profile=True, steps=args.steps, fields=fields)
+        results[label[run]]["profile"] = profiled = run_tree(Path(tree), probe)
         print(
             f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
             f"of kernels in a {profiled.get('step_ms', 0):.1f} ms step\n{profiled.get('top_kernels', profiled)}",
@@ -270,7 +272,8 @@ def main() -> int:
         for run in runs if round_index % 2 == 0 else runs[::-1]:
             if time.perf_counter() - started > args.budget_s:
                 break
-            result = run_tree(*run, profile=False, steps=args.steps, compile=args.compile, fields=fields)
+            tree, use_ssm_branch = run
+            result = run_tree(tree, Probe(use_ssm_branch, steps=args.steps, compile=args.compile, fields=fields))
             results[label[run]]["runs"].append(result)
             if "step_ms" in result:
                 results[label[run]]["steps_ms"].append(result["step_ms"])

@@ -178,7 +178,8 @@ def test_bench_ab_alternates_the_two_trees_and_pairs_their_rows(tmp_path):
 
 def test_bisect_train_step_set_changes_the_probe_config_and_refuses_a_bare_key():
     """bisect_train_step.py --set KEY=VALUE: the value read as JSON (a number, a boolean) or else as a string; the
-    probe's config with the fields is one HybridConfig accepts (Mamba-2 at N 128); a KEY alone is refused by name."""
+    probe's config with the fields is one HybridConfig accepts (Mamba-2 at N 128) and reaches the worker process
+    unchanged; a KEY alone is refused by name."""
     import importlib.util
 
     from configuration import HybridConfig
@@ -190,6 +191,9 @@ def test_bisect_train_step_set_changes_the_probe_config_and_refuses_a_bare_key()
     assert fields == {"ssm_type": "mamba2", "ssm_state_size": 128, "ssm_branch_norm": True}
     config = HybridConfig(**script.CONFIG | fields)
     assert (config.ssm_type, config.ssm_state_size, config.hidden_size) == ("mamba2", 128, 1024)
+    # The worker process gets the parent's probe, fields included, through its command line.
+    probe = script.Probe(use_ssm_branch=False, steps=3, compile=True, fields=fields)
+    assert script.Probe.from_json(probe.to_json()) == probe
     done = subprocess.run(
         [sys.executable, str(REPO_ROOT / "scripts" / "bisect_train_step.py"), "--set", "ssm_type"],
         capture_output=True, text=True, timeout=120, check=False,
