@@ -1,6 +1,8 @@
 """Host-side work of the SSM branch: by default one branch's training step (forward + backward of `Mamba1Branch`
 alone), on the fused op (`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on
-x_proj, as an adapter would); with `--decode`, one cached decode step of the whole model as `generate()` runs it with
+x_proj, as an adapter would); with `--ssm-type mamba2` the same for `Mamba2Branch` on its kernels (`mamba2_inner_fn`,
+and the module path through a hook on the conv) with its gated norm compiled as on CUDA, and the fused op with the
+norm's eager references, beside the Mamba-1 branch of the same width; with `--decode`, one cached decode step of the whole model as `generate()` runs it with
 the dynamic cache, the hybrid with its branch step as one op (`mamba_inner_step`) and through its modules, against
 Transformers' Mistral of the same shapes (`bench_generate.py --shape small`, narrowed to `--hidden`). Reported: aten
 ops dispatched, autograd nodes recorded (training), Triton launches, and the host time per step.
@@ -12,6 +14,7 @@ what is timed is the branch's own Python and aten work (the interpreter's is not
 
     python scripts/bench_host_work.py                      # GPU: the issue-36 probe's layer width (hidden 1024, E 2048)
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200
+    TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200 --ssm-type mamba2
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64 [--static-graph]
 """
 
@@ -54,10 +57,12 @@ def autograd_nodes(output: torch.Tensor) -> int:
 
 
 def triton_launchers() -> tuple[tuple[type, str], ...]:
-    """The methods every Triton launch goes through: the interpreter's (CPU) and the compiled kernels' (GPU)."""
+    """The methods every Triton launch goes through: the interpreter's (CPU) and the compiled kernels' (GPU). The
+    interpreter's, before it binds the arguments: binding them for its grid executor costs the host more than the
+    branch's own work does (~0.6 of ~1.6 ms per branch step), and a GPU never runs it."""
     from triton.runtime import interpreter, jit
 
-    return (interpreter.GridExecutor, "__call__"), (jit.JITFunction, "run")
+    return (interpreter.InterpretedFunction, "run"), (jit.JITFunction, "run")
 
 
 def stub_triton_launches() -> None:
@@ -219,6 +224,111 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
     }
 
 
+def training_paths(ssm_type: str) -> dict:
+    """The ways to run a branch's training step that are compared, each as a function that sets the branch up for it
+    and returns what undoes that. Mamba-1: the fused op, and the module path (a no-op hook on x_proj, as an adapter
+    makes). Mamba-2 (on its kernels here): the fused op and the module path (a hook on the conv), each with the gated
+    norm compiled as on CUDA (off CUDA they run its references), and the fused op with the references."""
+    from modeling.history import mamba2
+    from modeling.ops.mamba2_inner import interface
+    from modeling.ops.ssd import compiled
+
+    def compiled_norm(ssm, hooked=False):
+        saved = interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref
+        interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref = (
+            compiled.gated_rms_norm,
+            compiled.gated_rms_norm_bwd,
+        )
+        ssm.norm.use_kernels = False  # the module path's norm, compiled below on any device
+        ssm.norm.forward = lambda y, z, norm=ssm.norm: compiled.gated_rms_norm(
+            y, z, norm.weight, norm.group_size, norm.eps
+        )
+        hook = ssm.conv1d.register_forward_hook(lambda *a: None) if hooked else None
+
+        def undo():
+            interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref = saved
+            del ssm.norm.forward
+            ssm.norm.use_kernels = True
+            if hook is not None:
+                hook.remove()
+
+        return undo
+
+    if ssm_type == "mamba2":
+        assert mamba2.mamba2_inner_fn is not None, "the Mamba-2 kernels need Triton"
+        return {
+            "mamba2 fused": compiled_norm,
+            "mamba2 fused, eager norm": lambda ssm: lambda: None,
+            "mamba2 modules": lambda ssm: compiled_norm(ssm, hooked=True),
+        }
+    return {
+        "fused": lambda ssm: lambda: None,
+        "modules": lambda ssm: ssm.x_proj.register_forward_hook(lambda *a: None).remove,
+    }
+
+
+def branch_training_host_work(args, device: str) -> dict:
+    """One branch's training step, forward and backward, `args.batch` x `args.seq_len` tokens, on each path of
+    `training_paths`: aten ops, autograd nodes, Triton launches and host time. With `--ssm-type mamba2`, the Mamba-1
+    branch of the same width first, its anchor."""
+    from configuration import HybridConfig
+    from modeling import HybridForCausalLM
+
+    heads = max(1, args.hidden // 64)
+    results = {}
+    for ssm_type in ("mamba1",) if args.ssm_type == "mamba1" else ("mamba1", "mamba2"):
+        fields = {"ssm_state_size": args.state_size} if args.state_size and ssm_type == args.ssm_type else {}
+        config = HybridConfig(
+            vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, sliding_window=64,
+            ssm_type=ssm_type, **fields,
+        )  # fmt: skip
+        ssm = HybridForCausalLM(config).model.layers[0].self_attn.ssm.to(device, torch.bfloat16).train()
+        hidden = torch.randn(args.batch, args.seq_len, args.hidden, device=device, dtype=torch.bfloat16)
+        hidden.requires_grad_()
+        grad = torch.randn(args.batch, args.seq_len, ssm.out_proj.out_features, device=device, dtype=torch.bfloat16)
+
+        def step(ssm=ssm, hidden=hidden, grad=grad):
+            for param in ssm.parameters():
+                param.grad = None
+            hidden.grad = None
+            ssm(hidden).backward(grad)
+
+        for path, set_up in training_paths(ssm_type).items():
+            undo = set_up(ssm)
+            step()
+            step()  # a compiled norm compiles its forward and backward in the first, settles in the second
+            # Timed before the ops are counted: under the counter's dispatch mode a compiled function runs its
+            # Python eagerly, and Dynamo keeps to that afterwards.
+            times = timed_steps(step, args, device)
+            profile = python_profile(step, args.steps, args.python_profile) if args.python_profile else None
+            for param in ssm.parameters():
+                param.grad = None
+            launches, counter = collections.Counter(), CountOps()
+            with counting_triton_launches(launches), counter:
+                out = ssm(hidden)
+                nodes = autograd_nodes(out)
+                out.backward(grad)
+            results[path] = {
+                "state_size": config.ssm_state_size,
+                "aten_ops": sum(counter.ops.values()),
+                "autograd_nodes": nodes,
+                "triton_launches": sum(launches.values()),
+                "host_ms_median": round(statistics.median(times), 4),
+                "host_ms": [round(t, 4) for t in times],
+                "ops": dict(counter.ops.most_common()),
+            }
+            if profile is not None:
+                results[path]["python_profile"] = profile
+            undo()
+            print(
+                f"{path:18s} N {config.ssm_state_size:3d}  aten ops {results[path]['aten_ops']:4d}  autograd nodes "
+                f"{nodes:3d}  Triton launches {results[path]['triton_launches']:2d}  host "
+                f"{results[path]['host_ms_median']:.3f} ms per step (median of {args.repeats} x {args.steps})"
+            )
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -241,19 +351,24 @@ def main(argv=None) -> int:
         "--static-graph", action="store_true",
         help="with --decode: also count the launches of each model's static-cache step compiled by Inductor",
     )  # fmt: skip
+    parser.add_argument(
+        "--ssm-type", choices=("mamba1", "mamba2"), default="mamba1",
+        help="the training step of this branch (mamba2: beside the Mamba-1 branch of the same width)",
+    )  # fmt: skip
+    parser.add_argument("--state-size", type=int, help="the --ssm-type branch's N (default: the config's)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    from configuration import HybridConfig
-    from modeling import HybridForCausalLM
-    from modeling.history import mamba1
+    from modeling.history import mamba1, mamba2
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         torch.set_num_threads(1)  # the host work of one issuing thread, as on a GPU
     if args.stub_kernels:
         stub_triton_launches()
-    mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS  # the kernels on CPU too (interpreter)
+    # The kernels on CPU too (in the interpreter, or stubbed)
+    mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS
+    mamba2.Mamba2Branch._on_kernels = lambda self, hidden: True
     if args.decode:
         args.batch = args.batch or 8
         results = decode_host_work(args, device)
@@ -262,51 +377,7 @@ def main(argv=None) -> int:
                 json.dump({"args": vars(args), "device": device, "results": results}, f, indent=1)
         return 0
     args.batch = args.batch or 2
-    heads = max(1, args.hidden // 64)
-    config = HybridConfig(
-        vocab_size=128, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), head_dim=64, sliding_window=64,
-    )  # fmt: skip
-    ssm = HybridForCausalLM(config).model.layers[0].self_attn.ssm.to(device, torch.bfloat16).train()
-    hidden = torch.randn(args.batch, args.seq_len, args.hidden, device=device, dtype=torch.bfloat16)
-    hidden.requires_grad_()
-    grad = torch.randn(args.batch, args.seq_len, ssm.out_proj.out_features, device=device, dtype=torch.bfloat16)
-
-    def step():
-        for param in ssm.parameters():
-            param.grad = None
-        hidden.grad = None
-        ssm(hidden).backward(grad)
-
-    results = {}
-    for path in ("fused", "modules"):
-        hook = ssm.x_proj.register_forward_hook(lambda *a: None) if path == "modules" else None
-        step()
-        for param in ssm.parameters():
-            param.grad = None
-        launches, counter = collections.Counter(), CountOps()
-        with counting_triton_launches(launches), counter:
-            out = ssm(hidden)
-            nodes = autograd_nodes(out)
-            out.backward(grad)
-        num_launches = sum(launches.values())
-        times = timed_steps(step, args, device)
-        results[path] = {
-            "aten_ops": sum(counter.ops.values()),
-            "autograd_nodes": nodes,
-            "triton_launches": num_launches,
-            "host_ms_median": round(statistics.median(times), 4),
-            "host_ms": [round(t, 4) for t in times],
-        }
-        if args.python_profile:
-            results[path]["python_profile"] = python_profile(step, args.steps, args.python_profile)
-        if hook is not None:
-            hook.remove()
-        print(
-            f"{path:8s} aten ops {results[path]['aten_ops']:4d}  autograd nodes {nodes:3d}  "
-            f"Triton launches {results[path]['triton_launches']:2d}  host {results[path]['host_ms_median']:.3f} ms "
-            f"per step (median of {args.repeats} x {args.steps})"
-        )
+    results = branch_training_host_work(args, device)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": device, "results": results}, f, indent=1)
