@@ -57,7 +57,7 @@ case "${1:-kernels}" in
     python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
       tests/vllm_ops/test_paged_attention.py tests/vllm_ops/test_hybrid_decode.py tests/vllm_ops/test_zero_states.py \
       tests/test_modeling_kernels.py \
-      tests/test_mamba_inner_triton.py tests/test_ssd.py tests/test_mamba2.py tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
+      tests/test_mamba_inner_triton.py tests/test_ssd.py tests/test_mamba2_inner.py tests/test_mamba2.py tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
     tests_status=${PIPESTATUS[0]}
     python3 scripts/bench_kernels.py --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -40
     exit $((tests_status || PIPESTATUS[0]))
@@ -67,7 +67,8 @@ case "${1:-kernels}" in
     # training step and generation, then timed against the Inductor-compiled reference it replaced and the Mamba-1
     # scan, and the training step of both branches against the model without the branch.
     # Each under a time limit that leaves the other its share of the call (the tests took 303 s on an H100).
-    timeout 400 python3 -m pytest -q -p no:warnings tests/test_ssd.py tests/test_mamba2.py tests/test_modeling_kernels.py \
+    timeout 400 python3 -m pytest -q -p no:warnings tests/test_ssd.py tests/test_mamba2_inner.py tests/test_mamba2.py \
+      tests/test_modeling_kernels.py \
       2>&1 | tee "$OUT/pytest_ssd.log" | tail -15
     tests_status=${PIPESTATUS[0]}
     timeout 170 python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
