@@ -218,7 +218,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--swa-tree", type=Path, help="also this tree with use_ssm_branch=False (the anchor)")
-    parser.add_argument("--profile-trees", default="", help="comma-separated trees to profile one step of, once")
+    parser.add_argument(
+        "--profile-trees",
+        default="",
+        help="comma-separated trees to profile one step of, once (compiled with --compile)",
+    )
     parser.add_argument("--sync-sites", action="store_true", help="list where the trees' steps wait for the GPU")
     parser.add_argument("--budget-s", type=float, default=540, help="start no run after this many seconds")
     parser.add_argument(
@@ -260,7 +264,7 @@ def main() -> int:
 
     for tree in filter(None, args.profile_trees.split(",")):
         run = (Path(tree), True)
-        probe = Probe(profile=True, steps=args.steps, fields=fields)
+        probe = Probe(profile=True, steps=args.steps, compile=args.compile, fields=fields)
         results[label[run]]["profile"] = profiled = run_tree(Path(tree), probe)
         print(
             f"== {label[run]}: {profiled.get('host_syncs')} host syncs, {profiled.get('gpu_kernel_ms', 0):.1f} ms "
