@@ -124,7 +124,8 @@ def timed_steps(step, args, device: str) -> list[float]:
 
 def decode_host_work(args, device: str) -> dict:
     """One cached decode step of the whole model, batch `args.batch` after a 64-token prompt, for the hybrid on its
-    branch step (`fused`), the hybrid through its modules (`modules`: a no-op hook on every x_proj) and Mistral."""
+    branch step (`fused`), the hybrid through its modules (`modules`: a no-op hook on every x_proj), the hybrid with
+    the Mamba-2 branch (`mamba2`: its conv update, state update and gated norm) and Mistral."""
     from bench_generate import SHAPES, build_models
 
     shape = dict(
@@ -133,14 +134,15 @@ def decode_host_work(args, device: str) -> dict:
     )  # fmt: skip
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     prompt_len, max_len = 64, 64 + args.steps * (args.repeats + 2)  # the prompt, then every step of every path
-    models = build_models(shape, max_len, device, dtype)
+    models = build_models(shape, max_len, device, dtype, names=("hybrid", "swa", "hybrid-mamba2"))
     layers = models["hybrid"].config.num_hidden_layers
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, shape["vocab_size"], (args.batch, prompt_len), generator=generator).to(device)
     # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
     mask = torch.ones(args.batch, max_len, dtype=torch.long, device=device)
     results = {}
-    for path, model in (("fused", models["hybrid"]), ("modules", models["hybrid"]), ("mistral", models["swa"])):
+    paths = (("fused", "hybrid"), ("modules", "hybrid"), ("mamba2", "hybrid-mamba2"), ("mistral", "swa"))
+    for path, model in ((path, models[name]) for path, name in paths):
         hooks = []
         if path == "modules":
             hooks = [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
