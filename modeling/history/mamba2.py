@@ -174,11 +174,15 @@ class Mamba2Branch(HistoryBranch):
         conv_state = layer_cache.conv_states[0]
         xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
         x, B, C = split_heads_and_groups(xBC, self.intermediate_size, self.num_heads, self.n_groups)
-        dt = F.softplus(dt[:, 0].float() + self.dt_bias.float())  # [B, Hs]
+        dt = dt[:, 0]  # [B, Hs]: the update takes softplus(dt + dt_bias) in fp32
         if padding_mask is not None:
-            dt = dt * padding_mask[:, -1:].to(dt.dtype)
+            # softplus(-inf) = 0: a padding token steps by zero and leaves the state as it was
+            dt = dt.masked_fill(padding_mask[:, -1:] == 0, float("-inf"))
         # Row i owns cache row i.
-        y = state_update(layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D)
+        y = state_update(
+            layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D,
+            dt_bias=self.dt_bias, dt_softplus=True,
+        )  # fmt: skip
         return self.norm(y.reshape(batch, 1, -1), z)
 
     def _on_kernels(self, hidden_states: torch.Tensor) -> bool:
