@@ -41,22 +41,10 @@ class Mamba2InnerFunction(torch.autograd.Function):
         norm = gated_rms_norm if zxbcdt.is_cuda else gated_rms_norm_ref
         out = norm(y, z, norm_weight, intermediate_size // n_groups, eps)
         # Kept for the backward: the conv's output (the scan's x, B and C), the step and the scan's output (the
-        # norm's input), all smaller than the fp32 copies the module path's autograd keeps for the norm alone.
+        # norm's input), together fewer bytes than the fp32 copies the module path's autograd keeps for the norm.
         ctx.save_for_backward(
-            zxbcdt,
-            conv_weight,
-            conv_bias,
-            dt_bias,
-            A,
-            D,
-            norm_weight,
-            padding_mask,
-            seq_idx,
-            segments,
-            xBC_conv,
-            dt,
-            y,
-        )
+            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, padding_mask, seq_idx, segments, xBC_conv, dt, y
+        )  # fmt: skip
         ctx.n_groups, ctx.eps, ctx.blocks, ctx.A_log_dtype = n_groups, eps, blocks, A_log.dtype
         return out
 
