@@ -445,14 +445,15 @@ class HybridModel(HybridPreTrainedModel):
             kwargs.pop("seq_idx", None),
             kwargs,
         )
-        if position_ids is None:
-            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
-            position_ids = position_ids.unsqueeze(0)
-
         if not isinstance(causal_mask_mapping := attention_mask, dict):
+            # The caller's position_ids, not the default below: Transformers' masks look for packed sequences in
+            # them, and reading the answer is a host sync, which positions counted from 0 need not pay.
             causal_mask_mapping = hybrid_masks(
                 self.config, inputs_embeds, attention_mask, past_key_values, position_ids, self.attention_window
             )
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
         padding_mask = causal_mask_mapping.get("ssm")
 
         hidden_states = inputs_embeds

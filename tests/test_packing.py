@@ -107,3 +107,26 @@ def test_collator_seq_idx_and_flash_kwargs_reach_the_ssm_branch(make_model):
         flash_kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
         with_cu = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **flash_kwargs)
         torch.testing.assert_close(with_cu.logits, reference)
+
+
+@pytest.mark.parametrize("use_ssm_branch", [True, False], ids=["hybrid", "ssm-off"])
+def test_a_training_step_without_position_ids_never_waits_for_the_device(make_model, use_ssm_branch):
+    """Rows of one sequence each, no position_ids (a plain training batch): nothing in the forward or backward reads a
+    tensor's value on the host. The masks looked for packed sequences in the positions the model makes up itself and
+    read the answer (`.all()`: a host sync on a GPU every step) where Transformers' Mistral does not; packed rows
+    still come from the caller's position_ids (the tests above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostReads(TorchDispatchMode):
+        reads = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    model = make_model(sliding_window=8, attn_implementation="sdpa", use_ssm_branch=use_ssm_branch).train()
+    ids = torch.randint(3, 97, (2, 30))
+    with HostReads() as mode:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert mode.reads == []
