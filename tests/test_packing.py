@@ -102,7 +102,9 @@ def test_collator_seq_idx_and_flash_kwargs_reach_the_ssm_branch(make_model):
     batch = packed(sequences, return_flash_attn_kwargs=True, return_seq_idx=True)
     with torch.no_grad():
         reference = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        with_seq_idx = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], seq_idx=batch["seq_idx"])
+        with_seq_idx = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], seq_idx=batch["seq_idx"]
+        )
         torch.testing.assert_close(with_seq_idx.logits, reference)
         flash_kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
         with_cu = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], **flash_kwargs)
