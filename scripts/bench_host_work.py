@@ -229,28 +229,29 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
 def training_paths(ssm_type: str) -> dict:
     """The ways to run a branch's training step that are compared, each as a function that sets the branch up for it
     and returns what undoes that. Mamba-1: the fused op, and the module path (a no-op hook on x_proj, as an adapter
-    makes). Mamba-2 (on its kernels here): the fused op and the module path (a hook on the conv), each with the gated
-    norm compiled as on CUDA (off CUDA they run its references), and the fused op with the references."""
+    makes). Mamba-2 (on its kernels here): the fused op and the module path (a hook on the conv) with the gated norm
+    compiled, as on CUDA, on any device; and the fused op with the norm's eager references, on any device."""
     from modeling.history import mamba2
     from modeling.ops.mamba2_inner import interface
-    from modeling.ops.ssd import compiled
+    from modeling.ops.ssd import compiled, reference
 
-    def compiled_norm(ssm, hooked=False):
-        saved = interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref
-        interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref = (
-            compiled.gated_rms_norm,
-            compiled.gated_rms_norm_bwd,
+    def with_norm(ssm, compiled_norm: bool, hooked: bool = False):
+        forward, backward = (
+            (compiled.gated_rms_norm, compiled.gated_rms_norm_bwd)
+            if compiled_norm
+            else (reference.gated_rms_norm_ref, reference.gated_rms_norm_bwd_ref)
         )
-        ssm.norm.use_kernels = False  # the module path's norm, compiled below on any device
-        ssm.norm.forward = lambda y, z, norm=ssm.norm: compiled.gated_rms_norm(
-            y, z, norm.weight, norm.group_size, norm.eps
-        )
+        names = ("gated_rms_norm", "gated_rms_norm_bwd", "gated_rms_norm_ref", "gated_rms_norm_bwd_ref")
+        saved = {name: getattr(interface, name) for name in names}
+        for name, function in zip(names, (forward, backward) * 2):  # the fused op's choice for CUDA and off it
+            setattr(interface, name, function)
+        ssm.norm.forward = lambda y, z, norm=ssm.norm: forward(y, z, norm.weight, norm.group_size, norm.eps)
         hook = ssm.conv1d.register_forward_hook(lambda *a: None) if hooked else None
 
         def undo():
-            interface.gated_rms_norm_ref, interface.gated_rms_norm_bwd_ref = saved
+            for name, function in saved.items():
+                setattr(interface, name, function)
             del ssm.norm.forward
-            ssm.norm.use_kernels = True
             if hook is not None:
                 hook.remove()
 
@@ -259,9 +260,9 @@ def training_paths(ssm_type: str) -> dict:
     if ssm_type == "mamba2":
         assert mamba2.mamba2_inner_fn is not None, "the Mamba-2 kernels need Triton"
         return {
-            "mamba2 fused": compiled_norm,
-            "mamba2 fused, eager norm": lambda ssm: lambda: None,
-            "mamba2 modules": lambda ssm: compiled_norm(ssm, hooked=True),
+            "mamba2 fused": lambda ssm: with_norm(ssm, compiled_norm=True),
+            "mamba2 fused, eager norm": lambda ssm: with_norm(ssm, compiled_norm=False),
+            "mamba2 modules": lambda ssm: with_norm(ssm, compiled_norm=True, hooked=True),
         }
     return {
         "fused": lambda ssm: lambda: None,
