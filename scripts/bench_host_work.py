@@ -2,10 +2,11 @@
 alone), on the fused op (`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on
 x_proj, as an adapter would); with `--ssm-type mamba2` the same for `Mamba2Branch` on its kernels (`mamba2_inner_fn`,
 and the module path through a hook on the conv) with its gated norm compiled as on CUDA, and the fused op with the
-norm's eager references, beside the Mamba-1 branch of the same width; with `--decode`, one cached decode step of the whole model as `generate()` runs it with
-the dynamic cache, the hybrid with its branch step as one op (`mamba_inner_step`) and through its modules, against
-Transformers' Mistral of the same shapes (`bench_generate.py --shape small`, narrowed to `--hidden`). Reported: aten
-ops dispatched, autograd nodes recorded (training), Triton launches, and the host time per step.
+norm's eager references, beside the Mamba-1 branch of the same width; with `--decode`, one cached decode step of the
+whole model as `generate()` runs it with the dynamic cache, the hybrid with its branch step as one op
+(`mamba_inner_step`) and through its modules, and with the Mamba-2 branch, against Transformers' Mistral of the same
+shapes (`bench_generate.py --shape small`, narrowed to `--hidden`). Reported: aten ops dispatched, autograd nodes
+recorded (training), Triton launches, and the host time per step.
 
 On a GPU the time is the host's alone: the step is issued and timed without waiting for the GPU (each repeat
 synchronises once at its end, outside the timed loop's per-step cost, which is averaged over `--steps` steps).
@@ -58,8 +59,8 @@ def autograd_nodes(output: torch.Tensor) -> int:
 
 def triton_launchers() -> tuple[tuple[type, str], ...]:
     """The methods every Triton launch goes through: the interpreter's (CPU) and the compiled kernels' (GPU). The
-    interpreter's, before it binds the arguments: binding them for its grid executor costs the host more than the
-    branch's own work does (~0.6 of ~1.6 ms per branch step), and a GPU never runs it."""
+    interpreter's, before it binds the arguments: binding them for its grid executor took ~0.2 of the ~1.6 ms
+    measured per Mamba-1 branch step, and a GPU never runs it."""
     from triton.runtime import interpreter, jit
 
     return (interpreter.InterpretedFunction, "run"), (jit.JITFunction, "run")

@@ -8,7 +8,6 @@ import importlib.util
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
@@ -25,7 +24,7 @@ from ..ops import (
     ssd_chunk_scan_ref,
     ssd_state_update_ref,
 )
-from ..ops.mamba2_inner.reference import split_heads_and_groups
+from ..ops.mamba2_inner.reference import split_heads_and_groups, step_sizes, zero_padding
 from .branch import HistoryBranch
 
 logger = logging.get_logger(__name__)
@@ -119,10 +118,8 @@ class Mamba2Branch(HistoryBranch):
                     zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx, self.chunk_size
                 )
             return self.out_proj(y)
-        # Padding is zeroed so that the conv of the first real token sees the zero history of a sequence start.
         z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
-        if padding_mask is not None:
-            xBC = xBC * padding_mask[..., None].to(xBC.dtype)
+        xBC = zero_padding(xBC, padding_mask)
         if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past:
             return self.out_proj(self._decode_step(z, xBC, dt, layer_cache, padding_mask, on_kernels))
 
@@ -138,9 +135,7 @@ class Mamba2Branch(HistoryBranch):
         x, B, C = split_heads_and_groups(xBC_conv, self.intermediate_size, self.num_heads, self.n_groups)
 
         # 3. The step per head, in fp32; a padding token steps by zero and leaves the state as it was.
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
-        if padding_mask is not None:
-            dt = dt * padding_mask[..., None].to(dt.dtype)
+        dt = step_sizes(dt, self.dt_bias, padding_mask)  # [B, T, Hs]
 
         # 4. The chunked scan from the cached state; packed sequences each start from zero. The result does not
         #    depend on the chunk, the work does: the kernels take their tile (64), the reference the config's chunk,
@@ -202,7 +197,7 @@ class Mamba2Branch(HistoryBranch):
     @torch.no_grad()
     def memory_timescales(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dt = self.in_proj(hidden_states)[..., -self.num_heads :]
-        dt = F.softplus(dt.float() + self.dt_bias.float())  # [B, T, Hs]
+        dt = step_sizes(dt, self.dt_bias)  # [B, T, Hs]
         return 1.0 / (dt * -decay_rates(self.A_log))
 
     @torch.no_grad()

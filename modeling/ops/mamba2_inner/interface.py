@@ -17,7 +17,7 @@ from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
 from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
 from ..ssd.reference import gated_rms_norm_bwd_ref, gated_rms_norm_ref
 from ..triton_utils import check_index
-from .reference import split_heads_and_groups
+from .reference import split_heads_and_groups, step_sizes, zero_padding
 
 
 class Mamba2InnerFunction(torch.autograd.Function):
@@ -29,10 +29,10 @@ class Mamba2InnerFunction(torch.autograd.Function):
         intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
         z, xBC, dt_in = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
         xBC_conv = causal_conv1d_fwd(
-            _conv_input(xBC, padding_mask), conv_weight[:, 0], conv_bias, "silu", seq_idx=seq_idx
+            zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, "silu", seq_idx=seq_idx
         )
         x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, n_groups)
-        dt = _step(dt_in, dt_bias, padding_mask)
+        dt = step_sizes(dt_in, dt_bias, padding_mask)
         A, D = decay_rates(A_log), D.contiguous()
         check_ssd_inputs(x, dt, A, B, C, D, None, seq_idx, CHUNK)
         segments = sequence_segments(seq_idx)
@@ -43,7 +43,8 @@ class Mamba2InnerFunction(torch.autograd.Function):
         # Kept for the backward: the conv's output (the scan's x, B and C), the step and the scan's output (the
         # norm's input), together fewer bytes than the fp32 copies the module path's autograd keeps for the norm.
         ctx.save_for_backward(
-            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, padding_mask, seq_idx, segments, xBC_conv, dt, y
+            zxbcdt, conv_weight, conv_bias, dt_bias, A, D, norm_weight, padding_mask, seq_idx, segments, xBC_conv,
+            dt, y,
         )  # fmt: skip
         ctx.n_groups, ctx.eps, ctx.blocks, ctx.A_log_dtype = n_groups, eps, blocks, A_log.dtype
         return out
@@ -63,13 +64,13 @@ class Mamba2InnerFunction(torch.autograd.Function):
         dx, ddt, dA, dB, dC, dD, _ = ssd_chunk_scan_bwd(
             x, dt, A, B, C, D, None, segments, dy.unflatten(-1, (num_heads, -1)), None, CHUNK, ctx.blocks
         )
-        # dt = softplus(dt_in + dt_bias), times the mask: softplus' derivative is the sigmoid.
+        # dt = softplus(dt_in + dt_bias), times the mask (`step_sizes`): softplus' derivative is the sigmoid.
         ddt = ddt * torch.sigmoid(dt_in.float() + dt_bias.float())
         if padding_mask is not None:
             ddt = ddt * padding_mask[..., None].to(ddt.dtype)
         d_xBC_conv = torch.cat([dx.flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
         d_xBC, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
-            _conv_input(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx
+            zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx
         )
         if padding_mask is not None:
             d_xBC = d_xBC * padding_mask[..., None].to(d_xBC.dtype)
@@ -79,17 +80,6 @@ class Mamba2InnerFunction(torch.autograd.Function):
             d_zxbcdt, d_conv_weight[:, None], d_conv_bias, ddt.sum((0, 1)).to(dt_bias.dtype), dA_log,
             dD.to(D.dtype), d_norm_weight, None, None, None, None, None,
         )  # fmt: skip
-
-
-def _conv_input(xBC: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """xBC with padding zeroed (xBC itself, a view of zxbcdt, when there is none)."""
-    return xBC if padding_mask is None else xBC * padding_mask[..., None].to(xBC.dtype)
-
-
-def _step(dt_in: torch.Tensor, dt_bias: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-    """softplus(dt_in + dt_bias) in fp32 [B, T, Hs], zero at padding."""
-    dt = torch.nn.functional.softplus(dt_in.float() + dt_bias.float())
-    return dt if padding_mask is None else dt * padding_mask[..., None].to(dt.dtype)
 
 
 def mamba2_inner_fn(

@@ -17,6 +17,19 @@ def split_heads_and_groups(
     return x.unflatten(-1, (num_heads, -1)), B.unflatten(-1, (n_groups, -1)), C.unflatten(-1, (n_groups, -1))
 
 
+def zero_padding(xBC: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+    """The conv's input [B, T, C] with padding tokens zeroed (itself when there is no mask), so that the conv of the
+    first real token sees the zero history of a sequence start."""
+    return xBC if padding_mask is None else xBC * padding_mask[..., None].to(xBC.dtype)
+
+
+def step_sizes(dt: torch.Tensor, dt_bias: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The step per token and head, softplus(dt + dt_bias) in fp32 [B, T, Hs], zero at padding: a padding token
+    leaves the state as it was."""
+    step = F.softplus(dt.float() + dt_bias.float())
+    return step if padding_mask is None else step * padding_mask[..., None].to(step.dtype)
+
+
 def mamba2_inner_ref(
     zxbcdt: torch.Tensor,
     conv_weight: torch.Tensor,
@@ -51,13 +64,9 @@ def mamba2_inner_ref(
     """
     intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
     z, xBC, dt = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
-    if padding_mask is not None:
-        xBC = xBC * padding_mask[..., None].to(xBC.dtype)
-    xBC = causal_conv1d_ref(xBC, conv_weight[:, 0], conv_bias, "silu", None, seq_idx)
+    xBC = causal_conv1d_ref(zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, "silu", None, seq_idx)
     x, B, C = split_heads_and_groups(xBC, intermediate_size, num_heads, n_groups)
-    dt = F.softplus(dt.float() + dt_bias.float())  # [B, T, Hs]
-    if padding_mask is not None:
-        dt = dt * padding_mask[..., None].to(dt.dtype)
+    dt = step_sizes(dt, dt_bias, padding_mask)
     chunk = min(chunk_size, zxbcdt.shape[1])
     y, _ = ssd_chunk_scan_ref(x, dt, decay_rates(A_log), B, C, D, chunk, None, seq_idx)
     return gated_rms_norm_ref(y.flatten(-2), z, norm_weight, intermediate_size // n_groups, eps)

@@ -3,8 +3,8 @@
 reference.py   the plain-PyTorch references: the recurrence token by token (`ssd_scan_ref`), the same in SSD's chunked
                form (`ssd_chunk_scan_ref`, the algorithm chunked kernels follow), the one-token decode update
                (`ssd_state_update_ref`, over a cache of state slots), the packed prefills over the same slots
-               (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`) with its gradients written out
-               (`gated_rms_norm_bwd_ref`)
+               (`ssd_varlen_scan_ref`) and the grouped gated RMSNorm (`gated_rms_norm_ref`) with its gradients
+               written out (`gated_rms_norm_bwd_ref`)
 
 forward.py     the chunked scan's forward kernels: the walk over the chunks (the states entering each chunk; reversed,
                their gradients), then the outputs; the launch shapes (`SSDBlocks`)
