@@ -169,10 +169,10 @@ def test_the_branch_computes_with_its_fused_op_what_its_module_path_does(monkeyp
     monkeypatch.setattr(mamba2.Mamba2Branch, "_on_kernels", lambda self, hidden: on_kernels)
     torch.manual_seed(0)
     config = tiny_config(**{**MAMBA2_BRANCH, "ssm_chunk_size": 16})
-    branch = HybridForCausalLM(config).model.layers[0].self_attn.ssm.float()
+    branch = HybridForCausalLM(config).model.layers[0].self_attn.ssm.to(DEVICE, torch.float32)
     torch.nn.init.normal_(branch.out_proj.weight, std=0.1)  # W_out starts at zero
-    hidden = torch.randn(2, 23, config.hidden_size)
-    padding_mask = torch.ones(2, 23, dtype=torch.long)
+    hidden = torch.randn(2, 23, config.hidden_size, device=DEVICE)
+    padding_mask = torch.ones(2, 23, dtype=torch.long, device=DEVICE)
     padding_mask[1, :6] = 0
 
     results = []
