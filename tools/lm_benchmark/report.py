@@ -214,6 +214,7 @@ def plot_decision(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (retrieval, share) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[3, 2])
+    retrieval.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a dozen runs, no two lines in one colour
     for r in results:
         scores = r["eval"].get("retrieval") or {}
         # keys read "0.5W (128)" or "16W (4096) >T": the distance in windows comes first
