@@ -96,6 +96,18 @@ def _stride_names(name: str, dims: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f"s_{name}_{d}" for d in dims)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch shapes on the host: `triton.cdiv`'s result without its cost there (in Triton 3.6 it is
+    a `ConstexprFunction` that unwraps its arguments, ~2 µs a call; a launch path calls it a few times per kernel)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n (0 for n <= 0, as `triton.next_power_of_2` gives), for block sizes on the host;
+    `cdiv` says why not Triton's own."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of the device; 1 on CPU (Triton's interpreter runs programs one at a time)."""

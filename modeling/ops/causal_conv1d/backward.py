@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import stride_args
+from ..triton_utils import cdiv, next_power_of_2, stride_args
 from .forward import _conv_rows, _load_inputs, _load_seq_idx, conv_args
 
 
@@ -101,7 +101,7 @@ def launch_causal_conv1d_bwd(
     `rows_per_program` rows, channel block), summed here."""
     batch_size, seq_len, num_channels = x.shape
     width = weight.shape[1]
-    num_row_ranges = triton.cdiv(seq_len, rows_per_program) if seq_len else 0
+    num_row_ranges = cdiv(seq_len, rows_per_program) if seq_len else 0
     dx = torch.empty((batch_size, seq_len, num_channels), dtype=x.dtype, device=x.device)
     # every (batch row, row range) row of the partials is written by the programs of its channel blocks
     dw_partial = x.new_empty((batch_size * num_row_ranges, width, num_channels), dtype=torch.float32)
@@ -109,7 +109,7 @@ def launch_causal_conv1d_bwd(
         x.new_empty((batch_size * num_row_ranges, num_channels), dtype=torch.float32) if bias is not None else None
     )
     if x.numel() > 0:
-        grid = (num_row_ranges, triton.cdiv(num_channels, block_e), batch_size)
+        grid = (num_row_ranges, cdiv(num_channels, block_e), batch_size)
         _causal_conv1d_bwd_kernel[grid](
             **conv_args(x, weight, bias, history, seq_idx, activation),
             p_dy=dy,
@@ -121,7 +121,7 @@ def launch_causal_conv1d_bwd(
             rows_per_program=rows_per_program,
             **stride_args("dy", dy, "bte"),
             **stride_args("dx", dx, "bte"),
-            BLOCK_K=triton.next_power_of_2(width),
+            BLOCK_K=next_power_of_2(width),
             BLOCK_T=block_t,
             BLOCK_E=block_e,
             num_warps=num_warps,

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import stride_args
+from ..triton_utils import cdiv, next_power_of_2, stride_args
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Shared jit helpers
@@ -194,7 +194,7 @@ def launch_causal_conv1d_fwd(
     is_varlen = cu_seqlens is not None
     num_rows, num_channels = x.shape[-2:]
     num_seqs = state_indices.shape[0] if is_varlen else 0
-    grid = (triton.cdiv(num_rows, block_t), triton.cdiv(num_channels, block_e), 1 if is_varlen else x.shape[0])
+    grid = (cdiv(num_rows, block_t), cdiv(num_channels, block_e), 1 if is_varlen else x.shape[0])
     _causal_conv1d_fwd_kernel[grid](
         **conv_args(x, weight, bias, history, seq_idx, activation),
         p_y=out,
@@ -256,7 +256,7 @@ def launch_varlen_conv_state(
 ) -> None:  # fmt: skip
     """`_varlen_conv_state_kernel`: every sequence's new history into its slot of conv_state [slots, E, K-1]."""
     width = conv_state.shape[2] + 1
-    grid = (triton.cdiv(x.shape[1], block_e), state_indices.shape[0])
+    grid = (cdiv(x.shape[1], block_e), state_indices.shape[0])
     _varlen_conv_state_kernel[grid](
         p_x=x,
         p_state=conv_state,
@@ -267,7 +267,7 @@ def launch_varlen_conv_state(
         **stride_args("x", x, "te"),
         **stride_args("st", conv_state, ("slot", "e", "k")),
         K=width,
-        BLOCK_K=triton.next_power_of_2(width),
+        BLOCK_K=next_power_of_2(width),
         BLOCK_E=block_e,
         num_warps=num_warps,
     )
@@ -342,7 +342,7 @@ def launch_causal_conv1d_update(
 ) -> None:  # fmt: skip
     """`_causal_conv1d_update_kernel`: one decode step per row of x [R, E] into out [R, E] and conv_state."""
     num_requests, num_channels = x.shape
-    grid = (triton.cdiv(num_channels, block_e), num_requests)
+    grid = (cdiv(num_channels, block_e), num_requests)
     _causal_conv1d_update_kernel[grid](
         p_x=x,
         p_w=weight,
@@ -357,7 +357,7 @@ def launch_causal_conv1d_update(
         **stride_args("st", conv_state, ("slot", "e", "k")),
         **stride_args("o", out, "re"),
         K=weight.shape[1],
-        BLOCK_K=triton.next_power_of_2(weight.shape[1]),
+        BLOCK_K=next_power_of_2(weight.shape[1]),
         HAS_BIAS=bias is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         SILU=activation == "silu",

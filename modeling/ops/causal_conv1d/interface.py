@@ -12,9 +12,8 @@ The serving functions take the cache after the op's own tensors and before the b
 """
 
 import torch
-import triton
 
-from ..triton_utils import check_flags, check_index
+from ..triton_utils import cdiv, check_flags, check_index, next_power_of_2
 from .backward import launch_causal_conv1d_bwd
 from .forward import launch_causal_conv1d_fwd, launch_causal_conv1d_update, launch_varlen_conv_state
 from .reference import check_activation
@@ -26,8 +25,8 @@ def _pick_blocks(num_channels: int, num_rows: int, max_block_t: int, max_block_e
     128 channels (256 B of bf16) per tile row. 4 warps per tile beat 8 and 16 in the H200 sweep (`bench_kernels.py
     --only sweep`, BENCHMARKS.md), so the forward takes 32 elements per thread and the backward, which holds 2K-1 x
     tiles and K dy tiles at once, 16."""
-    block_e = min(max_block_e, triton.next_power_of_2(max(num_channels, 1)))
-    block_t = min(max_block_t, triton.next_power_of_2(max(num_rows, 1)))
+    block_e = min(max_block_e, next_power_of_2(max(num_channels, 1)))
+    block_t = min(max_block_t, next_power_of_2(max(num_rows, 1)))
     num_warps = max(1, min(16, block_t * block_e // (32 * per_thread)))
     return block_t, block_e, num_warps
 
@@ -157,9 +156,9 @@ def causal_conv1d_bwd(
     default_t, default_e, default_warps = _pick_blocks(num_channels, seq_len, 16, 128, per_thread=16)
     block_t, block_e = block_t or default_t, block_e or default_e
     if rows_per_program is None:
-        num_e_blocks = triton.cdiv(num_channels, block_e)
-        num_row_ranges = max(1, min(triton.cdiv(seq_len, block_t), triton.cdiv(1024, batch_size * num_e_blocks)))
-        rows_per_program = triton.cdiv(triton.cdiv(seq_len, num_row_ranges), block_t) * block_t
+        num_e_blocks = cdiv(num_channels, block_e)
+        num_row_ranges = max(1, min(cdiv(seq_len, block_t), cdiv(1024, batch_size * num_e_blocks)))
+        rows_per_program = cdiv(cdiv(seq_len, num_row_ranges), block_t) * block_t
     if rows_per_program % block_t:
         raise ValueError(f"rows_per_program ({rows_per_program}) must be a multiple of block_t ({block_t})")
     return launch_causal_conv1d_bwd(
@@ -340,7 +339,7 @@ def _causal_conv1d_update(
         has_initial_state,
         out,
         activation=activation,
-        block_e=block_e or min(256, triton.next_power_of_2(num_channels)),
+        block_e=block_e or min(256, next_power_of_2(num_channels)),
         num_warps=num_warps or 4,
     )
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..causal_conv1d.forward import conv_update_channels
 from ..selective_scan.decode import pick_state_update_block_e, ssm_step
-from ..triton_utils import softplus
+from ..triton_utils import cdiv, next_power_of_2, softplus
 
 
 class StepBlocks(NamedTuple):
@@ -46,13 +46,13 @@ class StepBlocks(NamedTuple):
 
 @functools.cache
 def pick_step_blocks(num_channels: int, dt_rank: int, state_size: int) -> StepBlocks:
-    e1 = min(triton.next_power_of_2(num_channels), 128)
-    j = max(16, min(triton.next_power_of_2(dt_rank + 2 * state_size), 4096 // e1))
+    e1 = min(next_power_of_2(num_channels), 128)
+    j = max(16, min(next_power_of_2(dt_rank + 2 * state_size), 4096 // e1))
     e2 = pick_state_update_block_e(num_channels, state_size)
-    r = max(16, min(triton.next_power_of_2(dt_rank), 4096 // e2))
+    r = max(16, min(next_power_of_2(dt_rank), 4096 // e2))
     p = min(
-        triton.next_power_of_2(triton.cdiv(num_channels, e1)),
-        max(1, 4096 // max(r, triton.next_power_of_2(state_size))),
+        next_power_of_2(cdiv(num_channels, e1)),
+        max(1, 4096 // max(r, next_power_of_2(state_size))),
     )
     return StepBlocks(e1, j, e2, r, p)
 
@@ -167,7 +167,7 @@ def launch_mamba_inner_step(
     dt_rank, state_size = dt_proj_weight.shape[1], A_log.shape[1]
     x_proj_rows = dt_rank + 2 * state_size
     blocks = pick_step_blocks(num_channels, dt_rank, state_size)
-    num_parts = triton.cdiv(num_channels, blocks.e1)
+    num_parts = cdiv(num_channels, blocks.e1)
     parts = torch.empty(num_parts, num_rows, x_proj_rows, device=xz.device, dtype=torch.float32)
     mask_stride = padding_mask.stride(0) if padding_mask is not None else 0
     _conv_x_proj_kernel[(num_parts, num_rows)](
@@ -175,13 +175,13 @@ def launch_mamba_inner_step(
         num_channels, x_proj_rows, num_rows, mask_stride, xz.stride(0),
         conv_weight.stride(0), conv_weight.stride(2),
         *conv_state.stride(), *x_proj_weight.stride(),
-        K=conv_weight.shape[2], BLOCK_K=triton.next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
+        K=conv_weight.shape[2], BLOCK_K=next_power_of_2(conv_weight.shape[2]), HAS_BIAS=conv_bias is not None,
         HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e1, BLOCK_J=blocks.j,
     )  # fmt: skip
-    _dt_state_kernel[(num_rows, triton.cdiv(num_channels, blocks.e2))](
+    _dt_state_kernel[(num_rows, cdiv(num_channels, blocks.e2))](
         out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, padding_mask, out,
         num_channels, dt_rank, state_size, num_parts, num_rows, mask_stride, xz.stride(0), *dt_proj_weight.stride(),
         *A_log.stride(), *ssm_state.stride(),
         HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e2, BLOCK_R=blocks.r,
-        BLOCK_N=triton.next_power_of_2(state_size), BLOCK_P=blocks.p,
+        BLOCK_N=next_power_of_2(state_size), BLOCK_P=blocks.p,
     )  # fmt: skip

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..triton_utils import cdiv, next_power_of_2
 from .forward import (
     LOG2E,
     _channel_block,
@@ -285,9 +286,9 @@ def launch_selective_scan_bwd(
     d_dt_bias) in the dtypes of the inputs (None for an absent initial state or dt_bias)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
-    block_n = triton.next_power_of_2(state_size)
-    num_chunks = triton.cdiv(seq_len, blocks.chunk)
-    num_eblocks = triton.cdiv(num_channels, blocks.bwd_block_e)
+    block_n = next_power_of_2(state_size)
+    num_chunks = cdiv(seq_len, blocks.chunk)
+    num_eblocks = cdiv(num_channels, blocks.bwd_block_e)
     chunked = chunk_dtsum is not None
     du = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
     ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)

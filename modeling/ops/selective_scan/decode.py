@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import check_flags, check_index, check_tokens, softplus
+from ..triton_utils import check_flags, check_index, check_tokens, next_power_of_2, softplus
 
 
 class StateUpdateArgs(NamedTuple):
@@ -112,7 +112,7 @@ def _selective_state_update_kernel(ssm, BLOCK_E: tl.constexpr, BLOCK_N: tl.const
 @functools.cache
 def pick_state_update_block_e(num_channels: int, state_size: int) -> int:
     """Channels per SSM program: a [BLOCK_E, N] fp32 state block of about 2048 values (16 per thread at 4 warps)."""
-    return min(triton.next_power_of_2(num_channels), max(1, 2048 // triton.next_power_of_2(state_size)))
+    return min(next_power_of_2(num_channels), max(1, 2048 // next_power_of_2(state_size)))
 
 
 def state_update_args(

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import softplus, stride_args
+from ..triton_utils import cdiv, next_power_of_2, softplus, stride_args
 
 # Steps between the training forward's saved states (the backward's recompute checkpoints): the default of
 # `pick_scan_blocks`, and the one value serving's launches pass, where nothing is saved.
@@ -346,7 +346,7 @@ def launch_selective_scan_fwd(
     chunks' sums of dt [S, num_chunks, E] (+inf for a chunk in which a sequence starts), which the backward reuses."""
     num_channels, state_size = A.shape
     num_seqs = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else u.shape[0]
-    num_chunks = triton.cdiv(max_seq_len, blocks.chunk)
+    num_chunks = cdiv(max_seq_len, blocks.chunk)
     chunked = num_chunks > 1
     if state_indices is not None and initial_state is not None and has_initial_state is None:
         raise ValueError("initial states read through state_indices need has_initial_state (which sequences read one)")
@@ -369,7 +369,7 @@ def launch_selective_scan_fwd(
         "IS_VARLEN": cu_seqlens is not None,
         "HAS_SEQ_IDX": seq_idx is not None,
         "BLOCK_E": blocks.block_e,
-        "BLOCK_N": triton.next_power_of_2(state_size),
+        "BLOCK_N": next_power_of_2(state_size),
         "num_warps": blocks.num_warps,
     }
     stage = {  # the arguments both stages take
@@ -389,7 +389,7 @@ def launch_selective_scan_fwd(
         "SEG": blocks.seg if seg_states is not None else SEGMENT_STEPS,
         "UNROLL": blocks.unroll,
     }
-    grid = (num_seqs, triton.cdiv(num_channels, blocks.block_e), num_chunks)
+    grid = (num_seqs, cdiv(num_channels, blocks.block_e), num_chunks)
     if chunked:
         _selective_scan_fwd_kernel[grid](**stage, **shared, STAGE=0, p_seg_h=None, SAVE_SEG_H=False)
         _selective_scan_chunk_combine_kernel[grid[:2]](

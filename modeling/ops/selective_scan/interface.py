@@ -16,9 +16,8 @@ is the one form the decode step takes (its step is always softplus(dt + dt_bias)
 from typing import NamedTuple
 
 import torch
-import triton
 
-from ..triton_utils import check_flags, check_index, check_tokens
+from ..triton_utils import cdiv, check_flags, check_index, check_tokens, next_power_of_2
 from .backward import launch_selective_scan_bwd
 from .decode import _selective_state_update_kernel, pick_state_update_block_e, state_update_args
 from .forward import SEGMENT_STEPS, launch_selective_scan_fwd
@@ -55,10 +54,10 @@ def pick_scan_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_s
     the issue-36 training step's peak from 18.49 to 17.94 GiB (1.24x to 1.20x the SSM-off model's) with the step time
     within the run-to-run spread (bench_results/2026-12-03-h200-train-step-*); the backward's per-program scratch grows
     to 64 states (~512 MiB across a launch of ~4096 programs, freed after each layer)."""
-    block_n = triton.next_power_of_2(state_size)
+    block_n = next_power_of_2(state_size)
     block_e = overrides.get("block_e") or (32 if block_n <= 16 else 16)
-    programs = num_seqs * triton.cdiv(num_channels, block_e)
-    chunk = overrides.get("chunk") or max(64, triton.next_power_of_2(triton.cdiv(max_seq_len * programs, 4096)))
+    programs = num_seqs * cdiv(num_channels, block_e)
+    chunk = overrides.get("chunk") or max(64, next_power_of_2(cdiv(max_seq_len * programs, 4096)))
     bwd_block_e = overrides.get("bwd_block_e") or block_e
     blocks = ScanBlocks(
         block_e=block_e,
@@ -70,7 +69,7 @@ def pick_scan_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_s
         bwd_block_e=bwd_block_e,
         save_seg_states=overrides.get("save_seg_states", True),
     )
-    if blocks.chunk % blocks.seg or any(triton.next_power_of_2(x) != x for x in (chunk, block_e, bwd_block_e)):
+    if blocks.chunk % blocks.seg or any(next_power_of_2(x) != x for x in (chunk, block_e, bwd_block_e)):
         raise ValueError(f"{blocks}: chunk, block_e and bwd_block_e must be powers of two and seg must divide chunk")
     return blocks
 
@@ -121,7 +120,7 @@ def selective_scan_fwd(
     final_state = u.new_empty(batch_size, num_channels, state_size, dtype=torch.float32)
     seg_states = None
     if blocks.save_seg_states:
-        num_segs = triton.cdiv(seq_len, blocks.seg)
+        num_segs = cdiv(seq_len, blocks.seg)
         seg_states = u.new_empty(batch_size, num_segs, num_channels, state_size, dtype=torch.float32)
     chunk_h, chunk_dtsum = launch_selective_scan_fwd(
         u,
@@ -443,10 +442,10 @@ def _selective_state_update(
     block_e = block_e or pick_state_update_block_e(ssm.E, ssm.N)
     if u.shape[0] == 0:  # an empty grid is not a valid launch
         return
-    _selective_state_update_kernel[(u.shape[0], triton.cdiv(ssm.E, block_e))](
+    _selective_state_update_kernel[(u.shape[0], cdiv(ssm.E, block_e))](
         ssm,
         BLOCK_E=block_e,
-        BLOCK_N=triton.next_power_of_2(ssm.N),
+        BLOCK_N=next_power_of_2(ssm.N),
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps,
     )

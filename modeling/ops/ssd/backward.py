@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import stride_args
+from ..triton_utils import next_power_of_2, stride_args
 from .forward import (
     SSDBlocks,
     _chunk_decays,
@@ -168,7 +168,7 @@ def launch_ssd_chunk_scan_bwd(
         x, dt, A, B, C, D, segments, states, dstates, dy,
         dx, ddt, dB_heads, dC_heads, dA_parts, dD_parts,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
-        BLOCK_P=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=blocks.bwd_n, HAS_SEQ=segments is not None,
+        BLOCK_P=max(16, next_power_of_2(head_dim)), BLOCK_N=blocks.bwd_n, HAS_SEQ=segments is not None,
         PRECISION=dot_precision(x), num_warps=blocks.bwd_warps,
     )  # fmt: skip
     group_sum = (batch, length, groups, heads // groups, state_size)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import check_flags, check_index, check_tokens, softplus
+from ..triton_utils import cdiv, check_flags, check_index, check_tokens, next_power_of_2, softplus
 
 
 class SSDUpdateArgs(NamedTuple):
@@ -125,7 +125,7 @@ def pick_ssd_block_p(head_dim: int, state_size: int) -> int:
     """Head channels per SSM program: a [BLOCK_P, N] fp32 state tile of about 2048 values (16 per thread at 4 warps,
     as Mamba-1's `pick_state_update_block_e`; 16 channels at N 128), which keeps the fused decode's register count,
     the larger of its two halves', at its attention's."""
-    return min(triton.next_power_of_2(head_dim), max(1, 2048 // triton.next_power_of_2(state_size)))
+    return min(next_power_of_2(head_dim), max(1, 2048 // next_power_of_2(state_size)))
 
 
 def ssd_state_update(
@@ -216,8 +216,8 @@ def _ssd_state_update(
     if x.shape[0] == 0:  # an empty grid is not a valid launch
         return
     block_p = pick_ssd_block_p(ssd.P, ssd.N)
-    _ssd_state_update_kernel[(x.shape[0], ssd.H, triton.cdiv(ssd.P, block_p))](
-        ssd, BLOCK_P=block_p, BLOCK_N=triton.next_power_of_2(ssd.N), HAS_INDICES=state_indices is not None,
+    _ssd_state_update_kernel[(x.shape[0], ssd.H, cdiv(ssd.P, block_p))](
+        ssd, BLOCK_P=block_p, BLOCK_N=next_power_of_2(ssd.N), HAS_INDICES=state_indices is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
     )  # fmt: skip
 

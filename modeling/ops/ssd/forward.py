@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import stride_args
+from ..triton_utils import cdiv, next_power_of_2, stride_args
 
 CHUNK = 64
 # The widest head the kernels take: the backward holds a head's channels in one block.
@@ -208,7 +208,7 @@ def shape_args(x: Tensor, B: Tensor, chunk: int) -> dict:
         "H": heads,
         "P": head_dim,
         "N": B.shape[-1],
-        "num_chunks": triton.cdiv(length, chunk),
+        "num_chunks": cdiv(length, chunk),
         "heads_per_group": heads // B.shape[2],
         "L": chunk,
     }
@@ -246,7 +246,7 @@ def pick_ssd_blocks(head_dim: int, state_size: int, **overrides) -> SSDBlocks:
     tl.dot's tiles are at least 16."""
 
     def block(size: int, cap: int) -> int:
-        return max(16, min(cap, triton.next_power_of_2(size)))
+        return max(16, min(cap, next_power_of_2(size)))
 
     defaults = SSDBlocks(
         walk_p=block(head_dim, 32), walk_n=block(state_size, 64), walk_warps=4,
@@ -269,7 +269,7 @@ def launch_ssd_chunk_walk(
     shapes = shape_args(u, K, chunk)
     walk = u.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
     end = u.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32) if with_end else None
-    grid = (triton.cdiv(state_size, blocks.walk_n), triton.cdiv(head_dim, blocks.walk_p), batch * heads)
+    grid = (cdiv(state_size, blocks.walk_n), cdiv(head_dim, blocks.walk_p), batch * heads)
     _ssd_chunk_walk_kernel[grid](
         u, dt, A, K, segments, start, walk, end,
         **shapes, **stride_args("u", u, "bthp"), **stride_args("dt", dt, "bth"), **stride_args("K", K, "btgn"),
@@ -287,7 +287,7 @@ def launch_ssd_outputs_fwd(
     """Writes y [b, T, H, P] from the chunks' entering states (`launch_ssd_chunk_walk`)."""
     batch, _, heads, head_dim = x.shape
     shapes = shape_args(x, B, chunk)
-    grid = (triton.cdiv(head_dim, blocks.out_p), shapes["num_chunks"], batch * heads)
+    grid = (cdiv(head_dim, blocks.out_p), shapes["num_chunks"], batch * heads)
     _ssd_outputs_fwd_kernel[grid](
         x, dt, A, B, C, D, segments, states, y,
         **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("y", y, "bthp"),

@@ -8,11 +8,18 @@ Mamba-2's `ssd_update_args` and `pick_ssd_block_p` (modeling/ops/ssd/decode.py).
 import math
 
 import torch
-import triton
 
 from modeling.ops.selective_scan.decode import pick_state_update_block_e, state_update_args
 from modeling.ops.ssd.decode import pick_ssd_block_p, ssd_update_args
-from modeling.ops.triton_utils import check_index, check_table, check_tokens, num_sms, window_or_unbounded
+from modeling.ops.triton_utils import (
+    cdiv,
+    check_index,
+    check_table,
+    check_tokens,
+    next_power_of_2,
+    num_sms,
+    window_or_unbounded,
+)
 
 from ..paged_attention.interface import check_paged_cache
 from .kernel import DecodeAttentionArgs, _hybrid_decode_kernel
@@ -29,7 +36,7 @@ def _pick_attention_config(
     sms = num_sms(device)
     splits = 1
     if pairs < 2 * sms:
-        splits = max(1, min(triton.cdiv(4 * sms, pairs), triton.cdiv(max_keys, block_keys) // 4))
+        splits = max(1, min(cdiv(4 * sms, pairs), cdiv(max_keys, block_keys) // 4))
     return {"block_keys": block_keys, "num_splits": splits, "num_warps": 4, "num_stages": 2}
 
 
@@ -86,7 +93,7 @@ def hybrid_decode(
     ssm_launch = {"BLOCK_E": block_e, "SSD": False, "HAS_INDICES": True, "HAS_DT_BIAS": True, "DT_SOFTPLUS": True}
     _launch(
         query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssm,
-        triton.cdiv(ssm.E, block_e), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
+        cdiv(ssm.E, block_e), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
         block_keys=block_keys, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, counters=counters,
     )  # fmt: skip
     return attn_out, ssm_out
@@ -136,7 +143,7 @@ def hybrid_decode_ssd(
                   "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus}  # fmt: skip
     _launch(
         query, key_cache, value_cache, block_table, seq_lens, scale, window, attn_out, ssd,
-        ssd.H * triton.cdiv(ssd.P, block_p), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
+        ssd.H * cdiv(ssd.P, block_p), ssm_launch, has_initial_state, k_scale=k_scale, v_scale=v_scale,
         block_keys=block_keys, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, counters=counters,
     )  # fmt: skip
     return out
@@ -210,10 +217,10 @@ def _launch(
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         SPLIT_K=splits > 1,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, next_power_of_2(group)),
         BLOCK_KEYS=block_keys,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=triton.next_power_of_2(ssm.N),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        BLOCK_N=next_power_of_2(ssm.N),
         HAS_INITIAL_FLAGS=has_initial_state is not None,
         num_warps=num_warps or config["num_warps"],
         num_stages=num_stages or config["num_stages"],

@@ -6,9 +6,8 @@ import functools
 import math
 
 import torch
-import triton
 
-from modeling.ops.triton_utils import check_index, check_table, check_tokens, window_or_unbounded
+from modeling.ops.triton_utils import check_index, check_table, check_tokens, next_power_of_2, window_or_unbounded
 
 from .kernel import _paged_window_attention_kernel
 
@@ -24,8 +23,8 @@ def _pick_blocks(dtype: torch.dtype, head_dim: int, group: int) -> dict[str, int
     included: tiles sized to the longest query would compile a variant per power of two while serving, each a
     multi-second stall, where fixed tiles only leave rows masked in batches of short queries (short batches anyway).
     """
-    block_d = triton.next_power_of_2(head_dim)
-    group_pad = triton.next_power_of_2(group)
+    block_d = next_power_of_2(head_dim)
+    group_pad = next_power_of_2(group)
     if dtype == torch.float32:
         block_m, block_keys, num_stages = (64 if block_d <= 64 else 32), (32 if block_d <= 128 else 16), 2
     else:
@@ -138,8 +137,8 @@ def paged_window_attention(
         raise ValueError(f"block_q: expected a power of two, got {block_q}")
     if not (block_keys >= 16 and block_keys & (block_keys - 1) == 0):
         raise ValueError(f"block_keys: expected a power of two >= 16, got {block_keys}")
-    group_pad = triton.next_power_of_2(group)
-    block_d = triton.next_power_of_2(head_dim)
+    group_pad = next_power_of_2(group)
+    block_d = next_power_of_2(head_dim)
     block_m = max(16, block_q * group_pad)  # tl.dot needs 16 rows
 
     # Query blocks: sequence i's start at query_start_loc[i] // block_q + i, so T // block_q + S bound them all.

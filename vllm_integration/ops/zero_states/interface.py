@@ -2,9 +2,8 @@
 (reference.py)."""
 
 import torch
-import triton
 
-from modeling.ops.triton_utils import check_flags, check_index
+from modeling.ops.triton_utils import cdiv, check_flags, check_index
 
 from .kernel import _zero_new_states_kernel
 
@@ -35,7 +34,7 @@ def zero_new_states_(
     rows = slot_rows(state)
     if num_rows == 0:  # an empty grid is not a valid launch
         return state
-    grid = (num_rows, triton.cdiv(rows.shape[1], BLOCK))
+    grid = (num_rows, cdiv(rows.shape[1], BLOCK))
     _zero_new_states_kernel[grid](
         rows, state_indices, has_initial_state, rows.stride(0), rows.shape[1], null_block_id, BLOCK=BLOCK
     )
