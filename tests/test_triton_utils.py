@@ -16,3 +16,20 @@ def test_cdiv_is_tritons():
 def test_next_power_of_2_is_tritons():
     for n in [*range(-4, 1100), 2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1]:
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
+
+
+def test_the_helpers_stay_symbolic_under_dynamic_shapes():
+    """Dynamo traces the training launch paths; with dynamic shapes their token counts are SymInts. The helpers must
+    keep them symbolic (one graph for every length), as Triton's do, not specialise on each value."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    def blocks(x):
+        return x.new_zeros(next_power_of_2(cdiv(x.shape[0], 3))) + 1
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(blocks, dynamic=True, fullgraph=True, backend="eager")
+    for length in (5, 17, 100, 101, 300):
+        assert compiled(torch.randn(length)).shape[0] == triton.next_power_of_2(triton.cdiv(length, 3))
+    assert counters["stats"]["unique_graphs"] == 1

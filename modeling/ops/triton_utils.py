@@ -104,8 +104,12 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of 2 >= n (0 for n <= 0, as `triton.next_power_of_2` gives), for block sizes on the host;
-    `cdiv` says why not Triton's own."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
+    `cdiv` says why not Triton's own. Shifts and ors only, as Triton's: under torch.compile with dynamic shapes a
+    token count arrives as a SymInt, which `int.bit_length` would specialise (a recompile per power of two)."""
+    n -= 1
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1
 
 
 @functools.cache
