@@ -56,7 +56,9 @@ def print_table(results: list[dict]) -> None:
             print(f"| {label(r)} | " + " | ".join(cells) + " |")
     with_reset = [r for r in results if r["eval"].get("ssm_beyond_reset")]
     if with_reset:
-        print("\nloss at positions >= 2D, whole file / the SSM branch restarted D..2D tokens back (attention unchanged;")
+        print(
+            "\nloss at positions >= 2D, whole file / the SSM branch restarted D..2D tokens back (attention unchanged;"
+        )
         print("gain: what the branch alone carries from beyond D)")
         distances = list(with_reset[0]["eval"]["ssm_beyond_reset"])
         print("| model | " + " | ".join(f"D = {d}" for d in distances) + " |")
@@ -121,8 +123,11 @@ def print_decision(results: list[dict]) -> None:
     baseline = hybrids[0]["eval"]["loss_by_bucket"]["[0,W)"]
     far = [d for d in hybrids[0]["eval"].get("retrieval", {}) if d.split("W")[0] in ("4", "8", "16")]
     print(f"\ndecision table (full attention's gain from context older than 2W at [4W,16W): {_loss(full_gain)})")
-    print("| run | SSM gain beyond 2W | share of full's | loss [0,W) vs first row | " + " | ".join(
-        f"retrieved {d}" for d in far) + " | tok/s |")
+    print(
+        "| run | SSM gain beyond 2W | share of full's | loss [0,W) vs first row | "
+        + " | ".join(f"retrieved {d}" for d in far)
+        + " | tok/s |"
+    )
     print("|" + "---|" * (5 + len(far)))
     for r in hybrids:
         gain = r["eval"]["ssm_beyond_reset"].get("2W", {}).get("gain")
