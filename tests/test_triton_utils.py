@@ -4,7 +4,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from modeling.ops.triton_utils import cdiv, next_power_of_2  # noqa: E402 (needs triton)
+from modeling.ops.triton_utils import cdiv, next_power_of_2  # after the skip: needs triton
 
 
 def test_cdiv_is_tritons():
