@@ -118,6 +118,12 @@ class HybridConfig(PreTrainedConfig):
             Upper end of that range.
         ssm_dt_init_floor (`float`, *optional*, defaults to 0.0001):
             Smallest initial dt.
+        ssm_slow_channel_fraction (`float`, *optional*, defaults to 0.0):
+            Share (0 to 1) of the branch's channels (Mamba-1) or heads (Mamba-2), the last ones, whose decay rates
+            `A` start 10^4 times smaller than the default initialisation's: near no decay (an e-folding time of at
+            least 6,250 tokens at the largest initial step), so that some of the state can keep what left the window
+            from the start. A training lever of the memory program; an initialisation only, the function of a
+            trained model does not depend on it. `A_log` trains without weight decay, which would undo it.
         ssm_conv_bias (`bool`, *optional*, defaults to `True`):
             Whether the conv1d has a bias.
         use_ssm_branch (`bool`, *optional*, defaults to `True`):
@@ -201,6 +207,7 @@ class HybridConfig(PreTrainedConfig):
     ssm_dt_min: float = 0.001
     ssm_dt_max: float = 0.1
     ssm_dt_init_floor: float = 1e-4
+    ssm_slow_channel_fraction: float = 0.0
     ssm_conv_bias: bool = True
     use_ssm_branch: bool = True
     ssm_branch_norm: bool = False
@@ -300,6 +307,11 @@ class HybridConfig(PreTrainedConfig):
         if not _is_int(self.ssm_conv_kernel_size) or self.ssm_conv_kernel_size < 2:
             raise ValueError(
                 f"HybridConfig.ssm_conv_kernel_size must be an integer >= 2, got {self.ssm_conv_kernel_size!r}"
+            )
+        if not _is_real(self.ssm_slow_channel_fraction) or not 0 <= self.ssm_slow_channel_fraction <= 1:
+            raise ValueError(
+                "HybridConfig.ssm_slow_channel_fraction must be a number in [0, 1], "
+                f"got {self.ssm_slow_channel_fraction!r}"
             )
         if self.ssm_dt_min > self.ssm_dt_max:
             raise ValueError(

@@ -41,6 +41,11 @@ INVALID_FIELDS = [
     ("ssm_dt_max", -1.0),
     ("ssm_dt_min", 0.5),  # above ssm_dt_max
     ("ssm_dt_init_floor", 0.0),
+    ("ssm_slow_channel_fraction", -0.1),
+    ("ssm_slow_channel_fraction", 1.5),
+    ("ssm_slow_channel_fraction", math.nan),
+    ("ssm_slow_channel_fraction", True),
+    ("ssm_slow_channel_fraction", "0.1"),
     ("ssm_conv_bias", "yes"),
     ("use_ssm_branch", 1),
     ("ssm_branch_norm", "yes"),

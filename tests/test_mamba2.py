@@ -161,6 +161,36 @@ def test_memory_timescales_use_the_steps_the_forward_takes(make_model, ssm_type)
 
 
 @pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+def test_slow_channels_start_near_no_decay(ssm_type):
+    """`ssm_slow_channel_fraction`: the last quarter of the channels (Mamba-1) or heads (Mamba-2) start with decay
+    rates 1e-4 times the default initialisation's, every other weight as without it (same seed); through the steps
+    the forward takes, those channels remember 1e4 times longer and the others as long as before."""
+    fields = MAMBA2 if ssm_type == "mamba2" else {}
+    branches = []
+    for fraction in (0.0, 0.25):
+        torch.manual_seed(0)
+        model = HybridForCausalLM(tiny_config(**fields, ssm_slow_channel_fraction=fraction))
+        branches.append(model.model.layers[0].self_attn.ssm)
+    plain, slow = branches
+    if ssm_type == "mamba1":  # Mamba's S4D-real rates 1..N per channel, whatever the fraction
+        torch.testing.assert_close(
+            plain.A_log, torch.log(torch.arange(1.0, plain.state_size + 1)).expand_as(plain.A_log)
+        )
+    rows = plain.A_log.shape[0]
+    fast = rows - round(0.25 * rows)
+    assert 0 < fast < rows
+    torch.testing.assert_close(slow.A_log[:fast], plain.A_log[:fast], rtol=0, atol=0)
+    torch.testing.assert_close(slow.A_log[fast:].exp(), plain.A_log[fast:].exp() * 1e-4)
+    for name, weight in plain.state_dict().items():
+        if name != "A_log":
+            torch.testing.assert_close(slow.state_dict()[name], weight, rtol=0, atol=0, msg=name)
+    hidden = torch.randn(2, 9, plain.in_proj.in_features, generator=torch.Generator().manual_seed(3))
+    ratio = slow.memory_timescales(hidden).double() / plain.memory_timescales(hidden).double()
+    torch.testing.assert_close(ratio[..., :fast], torch.ones_like(ratio[..., :fast]))
+    torch.testing.assert_close(ratio[..., fast:], torch.full_like(ratio[..., fast:], 1e4), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
 def test_state_numel_is_what_the_cache_holds(make_model, ssm_type):
     model = make_model(**(MAMBA2 if ssm_type == "mamba2" else {}))
     cache = HybridCache(model.config)

@@ -1,11 +1,28 @@
 """What a history branch is to the layer that owns it: `HybridAttention` builds one per layer for `config.ssm_type`
 (`modeling.history.HISTORY_BRANCHES`) and talks to it through this class only."""
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
+
+# How much smaller the decay rates of `config.ssm_slow_channel_fraction`'s channels start. At the largest initial step
+# (dt_max 0.1) and the largest default rate (16) an e-folding time of 1 / (0.1 * 16 * 1e-4) = 6,250 tokens, beyond
+# the language-model benchmark's training context; Adam's steps on A_log (~lr each) keep it slow through training.
+SLOW_DECAY_FACTOR = 1e-4
+
+
+def slow_down_decays(A_log: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The initial `A_log` (dim 0: the branch's channels or heads) with the decay rates of its last
+    round(fraction * rows) rows made `SLOW_DECAY_FACTOR` times smaller (`config.ssm_slow_channel_fraction`)."""
+    slow = round(fraction * A_log.shape[0])
+    if slow == 0:
+        return A_log
+    A_log = A_log.clone()
+    A_log[A_log.shape[0] - slow :] += math.log(SLOW_DECAY_FACTOR)
+    return A_log
 
 
 class HistoryBranch(nn.Module, ABC):

@@ -25,7 +25,7 @@ from ..ops import (
     selective_scan_ref,
     selective_state_update_ref,
 )
-from .branch import HistoryBranch
+from .branch import HistoryBranch, slow_down_decays
 
 logger = logging.get_logger(__name__)
 
@@ -81,6 +81,7 @@ class Mamba1Branch(HistoryBranch):
         self.conv_kernel_size = config.ssm_conv_kernel_size
         self.dt_rank = config.ssm_dt_rank
         self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
+        self.slow_channel_fraction = config.ssm_slow_channel_fraction
         self.use_kernels = config.use_ssm_kernels
 
         self.in_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
@@ -214,9 +215,10 @@ class Mamba1Branch(HistoryBranch):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        # Mamba's S4D-real init: A = -(1..N) per channel; D = 1.
+        # Mamba's S4D-real init: A = -(1..N) per channel (a share of the channels near no decay, if asked); D = 1.
         A = torch.arange(1, self.state_size + 1, dtype=torch.float32, device=self.A_log.device)
-        init.copy_(self.A_log, torch.log(A).expand(self.intermediate_size, -1))
+        A_log = torch.log(A).expand(self.intermediate_size, -1)
+        init.copy_(self.A_log, slow_down_decays(A_log, self.slow_channel_fraction))
         init.ones_(self.D)
         # Mamba's init of the input side (PyTorch's default, as in mamba_ssm): uniform within 1/sqrt(fan_in), not
         # the std-0.02 normal of the other projections. What the state gives back at a token is a product of

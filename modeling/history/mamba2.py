@@ -25,7 +25,7 @@ from ..ops import (
     ssd_state_update_ref,
 )
 from ..ops.mamba2_inner.reference import split_heads_and_groups, step_sizes, zero_padding
-from .branch import HistoryBranch
+from .branch import HistoryBranch, slow_down_decays
 
 logger = logging.get_logger(__name__)
 
@@ -73,6 +73,7 @@ class Mamba2Branch(HistoryBranch):
         self.conv_kernel_size = config.ssm_conv_kernel_size
         self.chunk_size = config.ssm_chunk_size
         self.dt_min, self.dt_max, self.dt_init_floor = config.ssm_dt_min, config.ssm_dt_max, config.ssm_dt_init_floor
+        self.slow_channel_fraction = config.ssm_slow_channel_fraction
         self.use_kernels = config.use_ssm_kernels
         self.conv_channels = self.intermediate_size + 2 * self.n_groups * self.state_size
 
@@ -202,9 +203,10 @@ class Mamba2Branch(HistoryBranch):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        # docs/DESIGN.md: A = -a with a uniform in [1, 16] per head; D = 1; softplus(dt_bias) log-uniform in
-        # [dt_min, dt_max] (the inverse softplus gives the bias); W_out = 0.
-        init.copy_(self.A_log, torch.log(torch.empty(self.num_heads, device=self.A_log.device).uniform_(1, 16)))
+        # docs/DESIGN.md: A = -a with a uniform in [1, 16] per head (a share of the heads near no decay, if asked);
+        # D = 1; softplus(dt_bias) log-uniform in [dt_min, dt_max] (the inverse softplus gives the bias); W_out = 0.
+        A_log = torch.log(torch.empty(self.num_heads, device=self.A_log.device).uniform_(1, 16))
+        init.copy_(self.A_log, slow_down_decays(A_log, self.slow_channel_fraction))
         init.ones_(self.D)
         log_dt = torch.rand(self.num_heads, device=self.dt_bias.device)
         log_dt = log_dt * (math.log(self.dt_max) - math.log(self.dt_min)) + math.log(self.dt_min)
