@@ -15,6 +15,7 @@ fp32). Results and commentary: BENCHMARKS.md.
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,9 @@ def median_train_step_ms(model, args) -> float:
 
 
 def bench_train_step(args) -> list[Row]:
+    """Each variant's step, built afresh (same seed) in each of `--train-rounds` rounds, the variants' order reversed
+    every other round, so that drift during the run (the host's load, the clocks) falls on all of them alike; a row's
+    time is the median of its rounds, its peak the largest."""
     from configuration import HybridConfig
     from modeling import HybridForCausalLM
 
@@ -112,28 +116,35 @@ def bench_train_step(args) -> list[Row]:
     ]
     if args.train_reference:
         variants.append(("hybrid, PyTorch reference", {"use_ssm_kernels": False}))
+    rounds = {name: [] for name, _ in variants}
+    peaks, params = {}, {}
+    for round_index in range(args.train_rounds):
+        for name, overrides in variants if round_index % 2 == 0 else variants[::-1]:
+            torch.manual_seed(0)
+            torch.cuda.reset_peak_memory_stats()
+            model = HybridForCausalLM(config(**overrides)).to(DEVICE, torch.bfloat16)
+            model.set_attn_implementation(args.train_attn)
+            rounds[name].append(median_train_step_ms(model, args))
+            # weights, AdamW states, activations, workspaces
+            peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            params[name] = sum(p.numel() for p in model.parameters())
+            del model
+            torch.cuda.empty_cache()
     rows = []
     tokens = args.train_batch * args.train_seq_len
-    for name, overrides in variants:
-        torch.manual_seed(0)
-        torch.cuda.reset_peak_memory_stats()
-        model = HybridForCausalLM(config(**overrides)).to(DEVICE, torch.bfloat16)
-        model.set_attn_implementation(args.train_attn)
-        ms = median_train_step_ms(model, args)
-        peak_gib = torch.cuda.max_memory_allocated() / 2**30  # weights, AdamW states, activations, workspaces
-        params = sum(p.numel() for p in model.parameters())
+    for name, _ in variants:
+        ms = statistics.median(rounds[name])
         rows.append(
             Row(
                 "train step",
                 name,
-                f"{params / 1e6:.0f}M params, B={args.train_batch} T={args.train_seq_len} W={args.train_window}",
+                f"{params[name] / 1e6:.0f}M params, B={args.train_batch} T={args.train_seq_len} W={args.train_window}",
                 ms,
-                note=f"{tokens / ms * 1e3:,.0f} tok/s, peak {peak_gib:.1f} GiB",
-                extra={"tokens_per_s": tokens / ms * 1e3, "peak_gib": peak_gib},
+                note=f"{tokens / ms * 1e3:,.0f} tok/s, peak {peaks[name]:.1f} GiB, rounds "
+                + "/".join(f"{t:.1f}" for t in rounds[name]),
+                extra={"tokens_per_s": tokens / ms * 1e3, "peak_gib": peaks[name], "rounds_ms": rounds[name]},
             )
         )
-        del model
-        torch.cuda.empty_cache()
     base = rows[0].extra
     for row in rows[1:]:
         row.note += (
@@ -1090,6 +1101,9 @@ def main():
     parser.add_argument("--train-seq-len", type=int, default=4096)
     parser.add_argument("--train-window", type=int, default=1024)
     parser.add_argument("--train-steps", type=int, default=5)
+    parser.add_argument(
+        "--train-rounds", type=int, default=3, help="rounds of the training-step rows, the order reversed every other"
+    )
     parser.add_argument("--train-attn", default="sdpa")
     parser.add_argument("--train-reference", action="store_true", help="also time the PyTorch reference path")
     parser.add_argument("--smoke", action="store_true", help="CPU wiring check (set TRITON_INTERPRET=1, tiny sizes)")
