@@ -1,8 +1,8 @@
 """Host-side work of the SSM branch: by default one branch's training step (forward + backward of `Mamba1Branch`
 alone), on the fused op (`mamba_inner_fn`, one autograd node) and on the module path (forced by a no-op hook on
 x_proj, as an adapter would); with `--ssm-type mamba2` the same for `Mamba2Branch` on its kernels (`mamba2_inner_fn`,
-and the module path through a hook on the conv) with its gated norm compiled as on CUDA, and the fused op with the
-norm's eager references, beside the Mamba-1 branch of the same width; with `--decode`, one cached decode step of the
+and the module path through a hook on the conv, the gated norm on its kernels as on CUDA), beside the Mamba-1 branch
+of the same width; with `--decode`, one cached decode step of the
 whole model as `generate()` runs it with the dynamic cache, the hybrid with its branch step as one op
 (`mamba_inner_step`) and through its modules, and with the Mamba-2 branch, against Transformers' Mistral of the same
 shapes (`bench_generate.py --shape small`, narrowed to `--hidden`). Reported: aten ops dispatched, autograd nodes
@@ -230,41 +230,24 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
 def training_paths(ssm_type: str) -> dict:
     """The ways to run a branch's training step that are compared, each as a function that sets the branch up for it
     and returns what undoes that. Mamba-1: the fused op, and the module path (a no-op hook on x_proj, as an adapter
-    makes). Mamba-2 (on its kernels here): the fused op and the module path (a hook on the conv) with the gated norm
-    compiled, as on CUDA, on any device; and the fused op with the norm's eager references, on any device."""
+    makes). Mamba-2 (on its kernels here): the fused op, and the module path (a hook on the conv) with the gated
+    norm's kernels as on CUDA, on any device."""
     from modeling.history import mamba2
-    from modeling.ops.mamba2_inner import interface
-    from modeling.ops.ssd import compiled, reference
+    from modeling.ops.ssd.gated_norm import gated_rms_norm
 
-    def with_norm(ssm, compiled_norm: bool, hooked: bool = False):
-        forward, backward = (
-            (compiled.gated_rms_norm, compiled.gated_rms_norm_bwd)
-            if compiled_norm
-            else (reference.gated_rms_norm_ref, reference.gated_rms_norm_bwd_ref)
-        )
-        names = ("gated_rms_norm", "gated_rms_norm_bwd", "gated_rms_norm_ref", "gated_rms_norm_bwd_ref")
-        saved = {name: getattr(interface, name) for name in names}
-        for name, function in zip(names, (forward, backward) * 2):  # the fused op's choice for CUDA and off it
-            setattr(interface, name, function)
-        ssm.norm.forward = lambda y, z, norm=ssm.norm: forward(y, z, norm.weight, norm.group_size, norm.eps)
-        hook = ssm.conv1d.register_forward_hook(lambda *a: None) if hooked else None
+    def module_path(ssm):
+        ssm.norm.forward = lambda y, z, norm=ssm.norm: gated_rms_norm(y, z, norm.weight, norm.group_size, norm.eps)
+        hook = ssm.conv1d.register_forward_hook(lambda *a: None)
 
         def undo():
-            for name, function in saved.items():
-                setattr(interface, name, function)
             del ssm.norm.forward
-            if hook is not None:
-                hook.remove()
+            hook.remove()
 
         return undo
 
     if ssm_type == "mamba2":
         assert mamba2.mamba2_inner_fn is not None, "the Mamba-2 kernels need Triton"
-        return {
-            "mamba2 fused": lambda ssm: with_norm(ssm, compiled_norm=True),
-            "mamba2 fused, eager norm": lambda ssm: with_norm(ssm, compiled_norm=False),
-            "mamba2 modules": lambda ssm: with_norm(ssm, compiled_norm=True, hooked=True),
-        }
+        return {"mamba2 fused": lambda ssm: lambda: None, "mamba2 modules": module_path}
     return {
         "fused": lambda ssm: lambda: None,
         "modules": lambda ssm: ssm.x_proj.register_forward_hook(lambda *a: None).remove,
@@ -301,9 +284,7 @@ def branch_training_host_work(args, device: str) -> dict:
         for path, set_up in training_paths(ssm_type).items():
             undo = set_up(ssm)
             step()
-            step()  # a compiled norm compiles its forward and backward in the first, settles in the second
-            # Timed before the ops are counted: under the counter's dispatch mode a compiled function runs its
-            # Python eagerly, and Dynamo keeps to that afterwards.
+            step()
             times = timed_steps(step, args, device)
             profile = python_profile(step, args.steps, args.python_profile) if args.python_profile else None
             for param in ssm.parameters():

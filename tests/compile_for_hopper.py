@@ -181,9 +181,22 @@ def mamba2_training_scan():
         (y.float().sum() + (final_state.sum() if packed else 0)).backward()
 
 
+def mamba2_gated_norm():
+    """Mamba-2's gated norm as the branch calls it: bf16 y, z a column view of in_proj's output, fp32 weight, groups of
+    a model's width and of a non-power-of-two one; forward and backward."""
+    from modeling.ops.ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd
+
+    for channels, groups in ((2048, 1), (96, 3)):
+        zx = torch.randn(2, 50, 2 * channels + 8, dtype=torch.bfloat16)
+        y, z = torch.randn(2, 50, channels, dtype=torch.bfloat16), zx[..., :channels]
+        weight = torch.randn(channels)
+        gated_rms_norm_fwd(y, z, weight, channels // groups, 1e-5)
+        gated_rms_norm_bwd(y, z, weight, channels // groups, 1e-5, torch.randn_like(y))
+
+
 CASES = (
-    model_training_and_decode_steps, mamba2_decode_kernel, mamba2_training_scan, serving_ssm_kernels, serving_attention_kernels,
-    serving_state_kernels,
+    model_training_and_decode_steps, mamba2_decode_kernel, mamba2_training_scan, mamba2_gated_norm,
+    serving_ssm_kernels, serving_attention_kernels, serving_state_kernels,
 )  # fmt: skip
 
 if __name__ == "__main__":

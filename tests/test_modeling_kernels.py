@@ -382,7 +382,7 @@ def test_mamba2_heads_wider_than_the_scan_kernels_take_run_the_reference_scan(ma
 @pytest.mark.skipif(not ON_GPU, reason="the Mamba-2 branch takes its kernels for CUDA tensors only")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_mamba2_generation_on_the_kernels_is_the_reference_paths(make_model, cache):
-    """The Mamba-2 branch on CUDA (the conv's and the scan's Triton kernels, the compiled norm, the decode update's
+    """The Mamba-2 branch on CUDA (the conv's, the scan's and the norm's Triton kernels, the decode update's
     kernel) against the same model forced onto the references: greedy tokens and logits, prefill and cached decode
     steps, with the dynamic cache and with the static one (its decode step compiled by generate())."""
     kernel_model, reference_model = kernel_and_reference_models(make_model, **MAMBA2_BRANCH)

@@ -1,7 +1,7 @@
 """Mamba-2's SSD scan references (modeling/ops/ssd) against a float64 token loop written here from docs/DESIGN.md,
 against each other (values and gradients), and the gated norm against Transformers' `MambaRMSNormGated` (G = 1);
-the kernels against the references (the chunked scan's and the decode update's Triton kernels, in Triton's
-interpreter on CPU machines; the norm compiled)."""
+the kernels against the references (the chunked scan's, the gated norm's and the decode update's Triton kernels, in
+Triton's interpreter on CPU machines)."""
 
 import inspect
 from functools import partial
@@ -348,25 +348,38 @@ def test_the_triton_scan_refuses_what_it_cannot_compute():
         ssd_chunk_scan_fn(wide, dt[..., :1], A[:1], B[:, :, :1], C[:, :, :1], D[:1])
 
 
-def test_the_compiled_norm_compiles_once_per_kind_of_call_not_per_shape():
-    """An evaluation after training calls the compiled norm without grad, with batch sizes and lengths it has not
-    seen: each call must equal the reference, and new shapes must not compile new variants, which fullgraph turned
-    into a hard error once Dynamo's recompile limit (8) was reached. Runs on the CPU through Inductor's C++ backend,
-    the same compile as on CUDA up to codegen."""
-    from torch._dynamo.utils import counters
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups, group_size", [(1, 24), (3, 20), (2, 1)], ids=["G1", "G3-odd", "G2-size1"])
+def test_the_norm_kernels_match_the_reference_and_write_every_output(monkeypatch, dtype, groups, group_size):
+    """The gated norm's Triton kernels (modeling/ops/ssd/gated_norm.py) against the references in fp32: the output,
+    the written-out backward's dy, dz and dweight, and the autograd of `gated_rms_norm` against autograd through the
+    reference; z a column view of a wider tensor (as in_proj's output hands it), group sizes that are not powers of
+    two, every output allocation poisoned with NaN before the kernels write it."""
+    from modeling.ops.ssd.gated_norm import gated_rms_norm, gated_rms_norm_bwd
 
-    from modeling.ops.ssd.compiled import gated_rms_norm
+    g = torch.Generator().manual_seed(groups)
+    channels = groups * group_size
+    y = torch.randn(3, 11, channels, generator=g).to(dtype).to(DEVICE)
+    z = torch.randn(3, 11, channels + 7, generator=g).to(dtype).to(DEVICE)[..., 3 : 3 + channels]
+    weight = torch.randn(channels, generator=g).to(DEVICE)
+    dout = torch.randn(3, 11, channels, generator=g).to(dtype).to(DEVICE)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    fp32 = [t.float() for t in (y, z, weight)]
 
-    torch._dynamo.reset()
-    counters.clear()
-    g = torch.Generator().manual_seed(11)
-    weight = torch.randn(HEADS * HEAD_DIM, generator=g)
-    for batch, length in [(2, 37), (3, 100), (2, 129), (3, 64), (2, 5)]:
-        y, z = (torch.randn(batch, length, HEADS * HEAD_DIM, generator=g) for _ in range(2))
-        with torch.no_grad():
-            normed = gated_rms_norm(y, z, weight, HEAD_DIM, 1e-6)
-        torch.testing.assert_close(normed, gated_rms_norm_ref(y, z, weight, HEAD_DIM, 1e-6))
-    assert counters["stats"]["unique_graphs"] == 1
+    leaves = [t.detach().requires_grad_() for t in (y, z, weight)]
+    out = gated_rms_norm(*leaves, group_size, 1e-5)
+    got = [out, *torch.autograd.grad(out, leaves, dout)]
+    ref_leaves = [t.detach().requires_grad_() for t in fp32]
+    ref_out = gated_rms_norm_ref(*ref_leaves, group_size, 1e-5)
+    want = [ref_out, *torch.autograd.grad(ref_out, ref_leaves, dout.float())]
+    for name, a, b in zip(("out", "dy", "dz", "dweight"), got, want, strict=True):
+        assert a.dtype == (weight.dtype if name == "dweight" else dtype), name
+        torch.testing.assert_close(a.float(), b, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    written_out = gated_rms_norm_bwd(y, z, weight, group_size, 1e-5, dout)
+    for name, a, b in zip(("dy", "dz", "dweight"), written_out, got[1:], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
@@ -375,7 +388,7 @@ def test_the_norm_traces_inside_a_compiled_caller(grad):
     step, with the Mamba-2 branch's norm called inside that graph: Dynamo refused the norm's dynamic-shape marks
     ("Attempt to trace forbidden callable maybe_mark_dynamic", H200) and config patches there. Inside a compiled
     caller it must trace under fullgraph to the reference's values and, with grad, its gradients."""
-    from modeling.ops.ssd.compiled import gated_rms_norm
+    from modeling.ops.ssd.gated_norm import gated_rms_norm
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(6)

@@ -2,7 +2,7 @@
 `MambaMixer2` compute it, with the gated norm grouped as mamba_ssm groups it. Heads of P channels share one decay
 each, B and C are shared within groups of heads; the scan's state is [Hs, P, N] per sequence. Its ops: the causal
 conv of modeling/ops/causal_conv1d (over the E + 2GN channels of x, B and C) and modeling/ops/ssd (the references,
-and on CUDA the chunked scan's and the decode update's Triton kernels and the norm compiled)."""
+and on CUDA the chunked scan's, the gated norm's and the decode update's Triton kernels)."""
 
 import importlib.util
 import math
@@ -30,16 +30,16 @@ from .branch import HistoryBranch, slow_down_decays
 logger = logging.get_logger(__name__)
 
 # On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan's Triton
-# kernels, the gated norm compiled by Inductor, the decode step's state update in its Triton kernel, and the branch
+# kernels, the gated norm's Triton kernels, the decode step's state update in its Triton kernel, and the branch
 # between its projections as one op over these (training and cache-free forwards).
 causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan_fn = gated_rms_norm = ssd_state_update = None
 mamba2_inner_fn = None
 if importlib.util.find_spec("triton") is not None:
     from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
     from ..ops.mamba2_inner.interface import mamba2_inner_fn
-    from ..ops.ssd.compiled import gated_rms_norm
     from ..ops.ssd.decode import ssd_state_update
     from ..ops.ssd.forward import MAX_HEAD_DIM
+    from ..ops.ssd.gated_norm import gated_rms_norm
     from ..ops.ssd.interface import ssd_chunk_scan_fn
 
 

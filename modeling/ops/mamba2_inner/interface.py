@@ -1,6 +1,6 @@
 """The Mamba-2 branch between its projections on the kernels as one autograd node (`mamba2_inner_fn`, the contract
-of `mamba2_inner_ref`): the causal conv's kernels, the chunked scan's (modeling/ops/ssd) and the gated norm, its
-forward and written-out backward compiled on CUDA (their references in Triton's interpreter).
+of `mamba2_inner_ref`): the causal conv's kernels, the chunked scan's and the gated norm's (modeling/ops/ssd), its
+written-out backward among them.
 
 Why one node: built from its modules, the branch records about 45 autograd nodes a layer (the split, the conv, the
 step's casts and softplus, -exp(A_log), the scan, the norm's dozen elementwise ops and the views between them), and a
@@ -12,10 +12,9 @@ import torch
 
 from ..causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
 from ..decay import decay_rates
-from ..ssd.compiled import gated_rms_norm, gated_rms_norm_bwd
 from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
+from ..ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd
 from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
-from ..ssd.reference import gated_rms_norm_bwd_ref, gated_rms_norm_ref
 from ..triton_utils import check_index
 from .reference import split_heads_and_groups, step_sizes, zero_padding
 
@@ -38,8 +37,7 @@ class Mamba2InnerFunction(torch.autograd.Function):
         segments = sequence_segments(seq_idx)
         y, _ = ssd_chunk_scan_fwd(x, dt, A, B, C, D, None, segments, CHUNK, blocks, with_final_state=False)
         y = y.flatten(-2)  # [B, T, E]
-        norm = gated_rms_norm if zxbcdt.is_cuda else gated_rms_norm_ref
-        out = norm(y, z, norm_weight, intermediate_size // n_groups, eps)
+        out = gated_rms_norm_fwd(y, z, norm_weight, intermediate_size // n_groups, eps)
         # Kept for the backward: the conv's output (the scan's x, B and C), the step and the scan's output (the
         # norm's input), together fewer bytes than the fp32 copies the module path's autograd keeps for the norm.
         ctx.save_for_backward(
@@ -57,8 +55,7 @@ class Mamba2InnerFunction(torch.autograd.Function):
         ) = ctx.saved_tensors  # fmt: skip
         intermediate_size, num_heads = norm_weight.shape[0], A.shape[0]
         z, xBC, dt_in = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
-        norm_bwd = gated_rms_norm_bwd if zxbcdt.is_cuda else gated_rms_norm_bwd_ref
-        dy, dz, d_norm_weight = norm_bwd(y, z, norm_weight, intermediate_size // ctx.n_groups, ctx.eps, dout)
+        dy, dz, d_norm_weight = gated_rms_norm_bwd(y, z, norm_weight, intermediate_size // ctx.n_groups, ctx.eps, dout)
 
         x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, ctx.n_groups)
         dx, ddt, dA, dB, dC, dD, _ = ssd_chunk_scan_bwd(

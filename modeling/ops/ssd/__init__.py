@@ -13,8 +13,8 @@ backward.py    its backward: the states recomputed and their gradients walked ba
 interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract; import it
                where it is used, as the other ops' kernel modules)
 
-compiled.py    the gated norm on CUDA: its references compiled by TorchInductor (`gated_rms_norm`,
-               `gated_rms_norm_bwd`)
+gated_norm.py  the gated norm's forward and backward kernels (`gated_rms_norm` with its autograd, and
+               `gated_rms_norm_fwd` / `gated_rms_norm_bwd` for ops that run it inside their own)
 
 decode.py      the decode update's Triton kernel (`ssd_state_update`, the reference's contract; a custom op under
                torch.compile)
