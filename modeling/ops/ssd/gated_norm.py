@@ -74,6 +74,11 @@ def _gated_rms_norm_bwd_kernel(
     tl.store(p_dweight_part + block.to(tl.int64) * channels + o_col, b_dweight, mask=m_col)
 
 
+def _num_warps(block: int) -> int:
+    """A warp per 256 channels of the group, 1 to 8 (as mamba_ssm's gated norm): each thread holds 8 of a row's."""
+    return min(max(block // 256, 1), 8)
+
+
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """[..., E] as [rows, E] with a row stride and contiguous channels (a view where it can be: z is a column slice
     of in_proj's output)."""
@@ -99,10 +104,11 @@ def gated_rms_norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, g
     _check(y, z, weight, group_size)
     y_rows, z_rows = _rows(y), _rows(z)
     out = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
+    block = next_power_of_2(group_size)
     if out.numel():
         _gated_rms_norm_fwd_kernel[(y_rows.shape[0], weight.shape[0] // group_size)](
             y_rows, z_rows, weight, out, y_rows.stride(0), z_rows.stride(0), out.stride(0), group_size, eps,
-            BLOCK=next_power_of_2(group_size),
+            BLOCK=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return out.view(y.shape)
 
@@ -125,6 +131,7 @@ def gated_rms_norm_bwd(
     blocks = max(1, min(num_rows, 4 * num_sms(y.device)))
     rows_per_program = cdiv(num_rows, blocks)
     blocks = cdiv(num_rows, rows_per_program) if num_rows else 1
+    block = next_power_of_2(group_size)
     dweight_parts = torch.empty(blocks, channels, dtype=torch.float32, device=y.device)  # every (block, group) writes
     if not num_rows:
         dweight_parts.zero_()
@@ -132,7 +139,7 @@ def gated_rms_norm_bwd(
         _gated_rms_norm_bwd_kernel[(blocks, channels // group_size)](
             y_rows, z_rows, weight, dout_rows, dy, dz, dweight_parts, y_rows.stride(0), z_rows.stride(0),
             dout_rows.stride(0), dy.stride(0), dz.stride(0), num_rows, rows_per_program, channels, group_size, eps,
-            BLOCK=next_power_of_2(group_size),
+            BLOCK=block, num_warps=_num_warps(block),
         )  # fmt: skip
     return dy.view(y.shape), dz.view(z.shape), dweight_parts.sum(0).to(weight.dtype)
 
