@@ -380,6 +380,13 @@ def test_the_norm_kernels_match_the_reference_and_write_every_output(monkeypatch
     written_out = gated_rms_norm_bwd(y, z, weight, group_size, 1e-5, dout)
     for name, a, b in zip(("dy", "dz", "dweight"), written_out, got[1:], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # A weight viewed with a stride (the kernels index it by channel) and the refused double backward.
+    strided = torch.stack([weight, weight.neg()], -1)[:, 0]
+    torch.testing.assert_close(gated_rms_norm(y, z, strided, group_size, 1e-5), got[0], atol=0, rtol=0)
+    cotangent = dout.detach().requires_grad_()
+    first = torch.autograd.grad(gated_rms_norm(*leaves, group_size, 1e-5), leaves[0], cotangent, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        first[0].sum().backward()
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])

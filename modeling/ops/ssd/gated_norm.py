@@ -102,7 +102,7 @@ def gated_rms_norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, g
     if torch.compiler.is_compiling():
         return gated_rms_norm_ref(y, z, weight, group_size, eps)
     _check(y, z, weight, group_size)
-    y_rows, z_rows = _rows(y), _rows(z)
+    y_rows, z_rows, weight = _rows(y), _rows(z), weight.contiguous()  # the kernels read weight[c] at c
     out = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
     block = next_power_of_2(group_size)
     if out.numel():
@@ -123,7 +123,7 @@ def gated_rms_norm_bwd(
     _check(y, z, weight, group_size)
     if dout.shape != y.shape:
         raise ValueError(f"gated_rms_norm_bwd: expected dout {tuple(y.shape)}, got {tuple(dout.shape)}")
-    y_rows, z_rows, dout_rows = _rows(y), _rows(z), _rows(dout)
+    y_rows, z_rows, dout_rows, weight = _rows(y), _rows(z), _rows(dout), weight.contiguous()
     num_rows, channels = y_rows.shape
     dy = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
     dz = torch.empty(z_rows.shape, dtype=z.dtype, device=z.device)
@@ -152,6 +152,7 @@ class GatedRMSNormFunction(torch.autograd.Function):
         return gated_rms_norm_fwd(y, z, weight, group_size, eps)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the written-out backward has no graph: refuse a double backward
     def backward(ctx, dout):
         y, z, weight = ctx.saved_tensors
         dy, dz, dweight = gated_rms_norm_bwd(y, z, weight, ctx.group_size, ctx.eps, dout)
