@@ -14,8 +14,8 @@ tokens, bf16 weights, fused AdamW, SDPA, no attention mask; the median of 5 step
 memory, and how long the host takes to issue a step (about the step's wall time when it is host-bound). `--swa-tree`
 adds that tree's model with the SSM branch off (the anchor); `--profile-trees` adds, once per
 tree, one profiled step: its top CUDA kernels and its host syncs, and with `--swa-tree` one profiled step of the
-anchor too and what the branch adds to it, op by op (the GPU time each op's own launches took, and their count:
-where the hybrid's extra GPU time goes); `--sync-sites` lists where each tree's hybrid and
+anchor too and what the branch adds to it, kernel by kernel (each GPU kernel's time and launches: where the
+hybrid's extra GPU time goes); `--sync-sites` lists where each tree's hybrid and
 SSM-off steps make the host wait for the GPU (PyTorch's sync debug mode, with the Python stack of each).
 `--compile` runs every model under `torch.compile` (as `Trainer(torch_compile=True)` does), with the time its first
 step took to compile and the graph breaks Dynamo met. `--set KEY=VALUE` (repeatable; VALUE read as JSON, else as
@@ -200,30 +200,24 @@ def worker(probe: Probe) -> dict:
         result["host_syncs"] = sum(event.count for event in events if event.key in HOST_SYNCS)
         kernels = [event for event in events if event.device_type.name == "CUDA"]
         result["gpu_kernel_ms"] = sum(event.self_device_time_total for event in kernels) / 1e3
-        # The GPU time of the kernels each op (an aten op, an autograd function, a compiled graph's kernel) launched
-        # itself, and how often it ran: what `op_differences` compares between a hybrid and its anchor.
-        result["op_gpu_ms"] = {
-            event.key: [event.self_device_time_total / 1e3, event.count]
-            for event in events
-            if event.self_device_time_total > 0
-        }
+        # Each kernel's GPU time and launches, what `kernel_differences` compares between a hybrid and its anchor.
+        # The kernels alone: a CPU op's self device time is its kernels' again, and would count them twice.
+        result["kernel_gpu_ms"] = {event.key: [event.self_device_time_total / 1e3, event.count] for event in kernels}
         result["top_kernels"] = events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
     return result
 
 
-def op_differences(hybrid: dict, anchor: dict, rows: int = 20) -> str:
-    """The ops whose own GPU time differs most between two profiled steps (`worker`'s `op_gpu_ms`), largest
-    difference first: GPU ms and calls in each, and the difference."""
+def kernel_differences(hybrid: dict, anchor: dict, rows: int = 20) -> str:
+    """The kernels whose GPU time differs most between two profiled steps (`worker`'s `kernel_gpu_ms`), largest
+    difference first: GPU ms and launches in each, and the difference."""
     keys = set(hybrid) | set(anchor)
     zero = [0.0, 0]
     delta = {key: hybrid.get(key, zero)[0] - anchor.get(key, zero)[0] for key in keys}
-    lines = [
-        f"{'op (its own launches)':70s} {'hybrid ms':>10s} {'calls':>6s} {'anchor ms':>10s} {'calls':>6s} {'+ms':>8s}"
-    ]
+    lines = [f"{'kernel':70s} {'hybrid ms':>10s} {'calls':>6s} {'anchor ms':>10s} {'calls':>6s} {'+ms':>8s}"]
     for key in sorted(keys, key=lambda k: -abs(delta[k]))[:rows]:
         (h_ms, h_calls), (a_ms, a_calls) = hybrid.get(key, zero), anchor.get(key, zero)
         lines.append(f"{key[:70]:70s} {h_ms:10.2f} {h_calls:6d} {a_ms:10.2f} {a_calls:6d} {delta[key]:+8.2f}")
-    lines.append(f"{'all ops':70s} {'':>10s} {'':>6s} {'':>10s} {'':>6s} {sum(delta.values()):+8.2f}")
+    lines.append(f"{'all kernels':70s} {'':>10s} {'':>6s} {'':>10s} {'':>6s} {sum(delta.values()):+8.2f}")
     return "\n".join(lines)
 
 
@@ -301,13 +295,13 @@ def main() -> int:
             flush=True,
         )
         save()
-    anchor_profile = results.get(label.get((args.swa_tree, False)), {}).get("profile", {}).get("op_gpu_ms")
+    anchor_profile = results.get(label.get((args.swa_tree, False)), {}).get("profile", {}).get("kernel_gpu_ms")
     for run in profiled_runs[:-1] if anchor_profile else []:
-        hybrid_profile = results[label[run]]["profile"].get("op_gpu_ms")
+        hybrid_profile = results[label[run]]["profile"].get("kernel_gpu_ms")
         if hybrid_profile:
             print(
-                f"== what {label[run]}'s branch adds to the anchor's step, op by op\n"
-                f"{op_differences(hybrid_profile, anchor_profile)}",
+                f"== what {label[run]}'s branch adds to the anchor's step, kernel by kernel\n"
+                f"{kernel_differences(hybrid_profile, anchor_profile)}",
                 flush=True,
             )
     for round_index in range(args.rounds):

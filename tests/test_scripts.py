@@ -201,30 +201,24 @@ def test_bisect_train_step_set_changes_the_probe_config_and_refuses_a_bare_key()
     assert done.returncode == 2 and "--set takes KEY=VALUE, got 'ssm_type'" in done.stderr
 
 
-def test_bisect_train_step_lists_what_the_branch_adds_op_by_op():
-    """`op_differences` of two profiled steps' per-op GPU time: each op's time and calls in both, largest difference
-    first (an op missing from one side counts as zero there, a negative difference sorts by its size), and the total
-    (hand-computed here)."""
+def test_bisect_train_step_lists_what_the_branch_adds_kernel_by_kernel():
+    """`kernel_differences` of two profiled steps' per-kernel GPU time: each kernel's time and launches in both,
+    largest difference first (a kernel missing from one side counts as zero there, a negative difference sorts by its
+    size), and the total (hand-computed here)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bisect_train_step", REPO_ROOT / "scripts" / "bisect_train_step.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    hybrid = {"aten::mul": [17.25, 804], "Mamba2InnerFunctionBackward": [15.5, 24], "aten::mm": [28.0, 651]}
-    anchor = {"aten::mul": [12.0, 600], "aten::mm": [22.0, 500], "aten::gone": [1.0, 3], "aten::same": [2.0, 7]}
-    lines = script.op_differences(hybrid | {"aten::same": [2.0, 7]}, anchor).splitlines()
+    hybrid = {"elementwise_mul": [17.25, 804], "_ssd_chunk_bwd_kernel": [15.5, 24], "nvjet_gemm": [28.0, 651]}
+    anchor = {"elementwise_mul": [12.0, 600], "nvjet_gemm": [22.0, 500], "gone": [1.0, 3], "same": [2.0, 7]}
+    lines = script.kernel_differences(hybrid | {"same": [2.0, 7]}, anchor).splitlines()
     rows = [line.split() for line in lines[1:-1]]
-    assert [row[0] for row in rows] == [
-        "Mamba2InnerFunctionBackward",
-        "aten::mm",
-        "aten::mul",
-        "aten::gone",
-        "aten::same",
-    ]
+    assert [row[0] for row in rows] == ["_ssd_chunk_bwd_kernel", "nvjet_gemm", "elementwise_mul", "gone", "same"]
     assert rows[0][1:] == ["15.50", "24", "0.00", "0", "+15.50"]
     assert rows[2][1:] == ["17.25", "804", "12.00", "600", "+5.25"]
     assert rows[3][1:] == ["0.00", "0", "1.00", "3", "-1.00"]
-    assert lines[-1].split() == ["all", "ops", "+25.75"]
+    assert lines[-1].split() == ["all", "kernels", "+25.75"]
 
 
 def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
