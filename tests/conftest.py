@@ -6,6 +6,10 @@ from pathlib import Path
 # standard library is jit-compiled at import time. Engines and servers started by tests drop it again.
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# TorchInductor (vLLM's compiled model and sampler, the tests' own torch.compile) otherwise probes each vector ISA the
+# CPU flags list by building a program and loading it in a fresh Python that imports torch: ten subprocesses, ~40 s,
+# once per process, and every vLLM engine a test starts is a new process. The flags are trusted instead.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest
 import torch

@@ -34,6 +34,11 @@ WINDOW = 16
 MAX_TOKENS = 12
 ON_GPU = torch.cuda.is_available()
 ENGINE = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.2, "block_size": 16, "seed": 0}
+# How the engines of `run_vllm` start, as vLLM's own CPU CI starts them: the engine core in the test's engine process
+# where one worker serves (two processes fewer to start, ~25 s each on 2 cores), and the model traced by Dynamo but
+# run by the eager backend instead of Inductor's C++ (VLLM_CPU_CI_ENV; no effect on GPUs). The `vllm serve` tests
+# keep what users run: a separate engine core and Inductor.
+ONE_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_CI_ENV": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +75,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         "state_dtypes": state_dtypes,
         "adapters": adapters,
     }
+    one_worker = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1) == 1
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
     result = subprocess.run(
@@ -77,7 +83,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         capture_output=True,
         text=True,
         timeout=900,
-        env={**engine_environment(), **(environment or {})},
+        env={**engine_environment(), **(ONE_PROCESS_ENVIRONMENT if one_worker else {}), **(environment or {})},
         check=False,  # a failed engine is reported below, with its stderr
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT_JSON ")]
