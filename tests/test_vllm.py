@@ -35,9 +35,9 @@ MAX_TOKENS = 12
 ON_GPU = torch.cuda.is_available()
 ENGINE = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.2, "block_size": 16, "seed": 0}
 # How the engines of `run_vllm` start, as vLLM's own CPU CI starts them: the engine core in the test's engine process
-# where one worker serves (two processes fewer to start, ~25 s each on 2 cores), and the model traced by Dynamo but
-# run by the eager backend instead of Inductor's C++ (VLLM_CPU_CI_ENV; no effect on GPUs). The `vllm serve` tests
-# keep what users run: a separate engine core and Inductor.
+# where one worker serves (two processes fewer to start, ~25 s each on 2 cores; `state_dtypes` reads the caches
+# there), and the model traced by Dynamo but run by the eager backend instead of Inductor's C++ (VLLM_CPU_CI_ENV; no
+# effect on GPUs). The `vllm serve` tests keep what users run: a separate engine core and Inductor.
 ONE_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_CI_ENV": "1"}
 
 
@@ -354,7 +354,6 @@ def test_ssm_state_cache_in_bf16_follows_transformers(checkpoints):
         prompts,
         mamba_ssm_cache_dtype="bfloat16",
         state_dtypes=True,
-        environment={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine in the process that reads its caches
     )
     assert result["state_dtypes"] == [["torch.float32", "torch.bfloat16"]] * model.config.num_hidden_layers
     assert result["kv_element_bytes"] == [4] * model.config.num_hidden_layers  # the KV cache keeps the model's fp32
@@ -408,12 +407,10 @@ def test_fp8_kv_cache_follows_the_bf16_cache(branch_checkpoints):
     for BENCHMARKS.md."""
     model, vllm_dir = branch_checkpoints
     prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size, seed=4)
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the engine in the process that reads its caches
     runs = {
-        dtype: run_vllm(vllm_dir, prompts, dtype="bfloat16", kv_cache_dtype=dtype, state_dtypes=True,
-                        environment=environment)
+        dtype: run_vllm(vllm_dir, prompts, dtype="bfloat16", kv_cache_dtype=dtype, state_dtypes=True)
         for dtype in ("auto", "fp8")
-    }  # fmt: skip
+    }
     drifts, same_tokens = [], 0
     for fp8, bf16 in zip(runs["fp8"]["outputs"], runs["auto"]["outputs"]):
         for got, want, got_logprob, want_logprob in zip(
