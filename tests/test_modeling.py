@@ -282,10 +282,15 @@ def test_parameter_names_and_shapes_follow_the_design():
     assert tuple(params["model.layers.0.self_attn.o_proj.weight"].shape) == (config.hidden_size, HD)
 
 
-def test_initialisation_follows_mamba():
+def test_initialisation_follows_mamba_with_a_quarter_of_the_channels_near_no_decay():
+    """Mamba's initialisation (S4D-real rates 1..N per channel), except that by default the last quarter of the
+    channels start with rates 1e4 times smaller (`ssm_slow_channel_fraction=0.25`); 0 keeps Mamba's throughout."""
     config = tiny_config(ssm_dt_min=0.002, ssm_dt_max=0.05)
     ssm = HybridForCausalLM(config).model.layers[0].self_attn.ssm
-    torch.testing.assert_close(ssm.A_log, torch.log(torch.arange(1, 9.0)).expand(40, -1))
+    s4d_real = torch.arange(1, 9.0).expand(40, -1)
+    torch.testing.assert_close(ssm.A_log.exp(), torch.cat([s4d_real[:30], s4d_real[30:] * 1e-4]))
+    plain = HybridForCausalLM(tiny_config(ssm_slow_channel_fraction=0.0)).model.layers[0].self_attn.ssm
+    torch.testing.assert_close(plain.A_log, s4d_real.log())
     torch.testing.assert_close(ssm.D, torch.ones(40))
     dt = F.softplus(ssm.dt_proj.bias)
     assert dt.min() >= 0.002 * 0.999 and dt.max() <= 0.05 * 1.001

@@ -173,8 +173,10 @@ def test_the_ssm_branch_is_live_and_its_options_are_applied(tmp_path):
     )  # fmt: skip
     ssm = hybrid.model.layers[0].self_attn.ssm
     assert ssm.A_log.shape == (48, 8) and torch.equal(ssm.out_proj.weight, torch.zeros_like(ssm.out_proj.weight))
-    # The branch starts as _init_weights starts it: A = -(1..N), D = 1, softplus(dt bias) in [dt_min, dt_max].
-    torch.testing.assert_close(-torch.exp(ssm.A_log), -torch.arange(1.0, 9.0).expand(48, 8))
+    # The branch starts as _init_weights starts it: A = -(1..N), the last quarter of the channels 1e4 times slower
+    # (the default ssm_slow_channel_fraction), D = 1, softplus(dt bias) in [dt_min, dt_max].
+    s4d_real = torch.arange(1.0, 9.0).expand(48, 8)
+    torch.testing.assert_close(torch.exp(ssm.A_log), torch.cat([s4d_real[:36], s4d_real[36:] * 1e-4]))
     torch.testing.assert_close(ssm.D, torch.ones(48))
     dt = torch.nn.functional.softplus(ssm.dt_proj.bias)
     assert dt.min() >= hybrid.config.ssm_dt_min * 0.999 and dt.max() <= hybrid.config.ssm_dt_max * 1.001

@@ -218,8 +218,9 @@ def plot_decision(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (retrieval, share) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=[3, 2])
-    retrieval.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # a dozen runs, no two lines in one colour
+    legend_rows = -(-len(results) // 4)  # the runs' legend goes under both panels, four to a row
+    fig, (retrieval, share) = plt.subplots(1, 2, figsize=(11, 4.2 + 0.2 * legend_rows), width_ratios=[3, 2])
+    retrieval.set_prop_cycle(color=plt.get_cmap("tab20").colors)  # up to 20 runs, no two lines in one colour
     for r in results:
         scores = r["eval"].get("retrieval") or {}
         # keys read "0.5W (128)" or "16W (4096) >T": the distance in windows comes first
@@ -235,7 +236,6 @@ def plot_decision(results: list[dict], path: Path) -> None:
     retrieval.set_ylabel("log-prob gain of the value (nats)")
     retrieval.set_title("graded retrieval")
     retrieval.grid(alpha=0.3)
-    retrieval.legend(fontsize=8)
 
     hybrids = [r for r in results if r["eval"].get("ssm_beyond_reset")]
     gains = [r["eval"]["ssm_beyond_reset"].get("2W", {}).get("gain", float("nan")) for r in hybrids]
@@ -251,5 +251,7 @@ def plot_decision(results: list[dict], path: Path) -> None:
     share.set_ylabel("loss saved beyond 2W (nats)")
     share.set_title("SSM branch alone, restarted 2W back")
     share.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
+    legend_height = 0.2 * legend_rows / fig.get_figheight() + 0.02
+    fig.legend(*retrieval.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_height, 1, 1))
     fig.savefig(path, dpi=130)
