@@ -112,6 +112,18 @@ def next_power_of_2(n: int) -> int:
     return n + 1
 
 
+def launch_power_of_2(n: int, floor: int = 1, cap: int | None = None) -> int:
+    """The smallest power of 2 >= n, at least `floor` (a power of 2) and at most `cap`, always a plain int: for the
+    block sizes and warp counts that reach a kernel as constexpr arguments or `num_warps`, which Dynamo accepts only
+    as plain ints. Under torch.compile with dynamic shapes a token count `n` is a SymInt, and `next_power_of_2` of it
+    stays symbolic; here each doubling is a comparison, which Dynamo answers by guarding on n's range, so one graph
+    serves every length that picks the same block."""
+    block = floor
+    while (cap is None or block < cap) and block < n:
+        block *= 2
+    return block
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of the device; 1 on CPU (Triton's interpreter runs programs one at a time)."""

@@ -13,7 +13,7 @@ The serving functions take the cache after the op's own tensors and before the b
 
 import torch
 
-from ..triton_utils import cdiv, check_flags, check_index, next_power_of_2
+from ..triton_utils import cdiv, check_flags, check_index, launch_power_of_2, next_power_of_2
 from .backward import launch_causal_conv1d_bwd
 from .forward import launch_causal_conv1d_fwd, launch_causal_conv1d_update, launch_varlen_conv_state
 from .reference import check_activation
@@ -25,8 +25,8 @@ def _pick_blocks(num_channels: int, num_rows: int, max_block_t: int, max_block_e
     128 channels (256 B of bf16) per tile row. 4 warps per tile beat 8 and 16 in the H200 sweep (`bench_kernels.py
     --only sweep`, BENCHMARKS.md), so the forward takes 32 elements per thread and the backward, which holds 2K-1 x
     tiles and K dy tiles at once, 16."""
-    block_e = min(max_block_e, next_power_of_2(max(num_channels, 1)))
-    block_t = min(max_block_t, next_power_of_2(max(num_rows, 1)))
+    block_e = launch_power_of_2(num_channels, cap=max_block_e)
+    block_t = launch_power_of_2(num_rows, cap=max_block_t)  # a SymInt under dynamic shapes: see launch_power_of_2
     num_warps = max(1, min(16, block_t * block_e // (32 * per_thread)))
     return block_t, block_e, num_warps
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton_utils import cdiv, check_flags, check_index, check_tokens, next_power_of_2
+from ..triton_utils import cdiv, check_flags, check_index, check_tokens, launch_power_of_2, next_power_of_2
 from .backward import launch_selective_scan_bwd
 from .decode import _selective_state_update_kernel, pick_state_update_block_e, state_update_args
 from .forward import SEGMENT_STEPS, launch_selective_scan_fwd
@@ -57,7 +57,7 @@ def pick_scan_blocks(num_seqs: int, max_seq_len: int, num_channels: int, state_s
     block_n = next_power_of_2(state_size)
     block_e = overrides.get("block_e") or (32 if block_n <= 16 else 16)
     programs = num_seqs * cdiv(num_channels, block_e)
-    chunk = overrides.get("chunk") or max(64, next_power_of_2(cdiv(max_seq_len * programs, 4096)))
+    chunk = overrides.get("chunk") or launch_power_of_2(cdiv(max_seq_len * programs, 4096), floor=64)
     bwd_block_e = overrides.get("bwd_block_e") or block_e
     blocks = ScanBlocks(
         block_e=block_e,
