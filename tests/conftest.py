@@ -68,6 +68,25 @@ MAMBA2_BRANCH = {
 }
 
 
+def backward_elements(output: torch.Tensor) -> int:
+    """Elements of every tensor the ops of `output`'s backward return: the backward's memory traffic, counted without
+    timing it (a backward whose every step writes a whole-sequence tensor shows as quadratic in the length)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Counter(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            self.elements += sum(t.numel() for t in tree_leaves(result) if isinstance(t, torch.Tensor))
+            return result
+
+    with Counter() as counter:
+        output.backward(torch.randn_like(output))
+    return counter.elements
+
+
 def tiny_config(**overrides) -> HybridConfig:
     """A model small enough for CPU tests, with both layer kinds, GQA and a short window."""
     fields = {

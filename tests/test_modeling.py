@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from conftest import backward_elements, tiny_config
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 from modeling import HybridCache, HybridForCausalLM, HybridModel, HybridStaticCache
@@ -65,6 +65,21 @@ def test_selective_scan_ref_continues_from_initial_state():
     torch.testing.assert_close(torch.cat([y1, y2], 1), y_full)
     torch.testing.assert_close(s2, state_full)
     assert state_full.dtype == torch.float32
+
+
+def test_selective_scan_ref_backward_grows_linearly_with_the_length():
+    """The reference is the model's CPU training path: its backward may not write a whole-sequence tensor at every
+    step. Indexing each step out of the [B, T, E, N] decay and drive did (each index's gradient is zeros of the whole:
+    ~2T such tensors, minutes for one training step at T 1024); a few of them is linear."""
+    torch.manual_seed(0)
+    Bsz, T, E, N = 2, 256, 6, 4
+    u, z, dt = (torch.randn(Bsz, T, E, requires_grad=True) for _ in range(3))
+    A = (-torch.rand(E, N) * 3).requires_grad_()
+    B, C = torch.randn(Bsz, T, N, requires_grad=True), torch.randn(Bsz, T, N, requires_grad=True)
+    y, _ = selective_scan_ref(u, dt, A, B, C, torch.randn(E), z, dt_softplus=True)
+    whole = Bsz * T * E * N
+    assert backward_elements(y) < 60 * whole  # ~24 with unbind, ~1,040 with indexing
+    assert all(t.grad is not None for t in (u, z, dt, A, B, C))
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])

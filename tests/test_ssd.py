@@ -9,6 +9,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import backward_elements
 
 from modeling.ops import (
     gated_rms_norm_ref,
@@ -88,6 +89,20 @@ def test_chunked_gradients_match_the_recurrence():
         assert all(torch.isfinite(grad).all() for grad in grads[name]), name
     for want, got in zip(grads["recurrent"], grads["chunked"]):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_recurrent_reference_backward_grows_linearly_with_the_length():
+    """As `selective_scan_ref`'s (tests/test_modeling.py): no whole-sequence tensor written at every step of the
+    backward, which indexing each token out of the [b, T, H, ...] inputs did."""
+    g = torch.Generator().manual_seed(2)
+    b, T, H, P, G, N = 2, 256, 2, 4, 1, 4
+    x = torch.randn(b, T, H, P, generator=g, requires_grad=True)
+    dt = (torch.rand(b, T, H, generator=g) * 0.6).requires_grad_()
+    B, C = (torch.randn(b, T, G, N, generator=g, requires_grad=True) for _ in range(2))
+    y, _ = ssd_scan_ref(x, dt, -(torch.rand(H, generator=g) + 0.2), B, C, torch.randn(H, generator=g))
+    # whole-sequence tensors: x * dt, and B and C per head; the backward writes ~24 of them with unbind, ~580 indexing
+    assert backward_elements(y) < 60 * b * T * H * (P + 2 * N)
+    assert all(t.grad is not None for t in (x, dt, B, C))
 
 
 def test_a_zero_step_leaves_the_state_as_it_was():

@@ -63,9 +63,10 @@ def ssd_scan_ref(
     if initial_state is not None:
         state = state + initial_state.float()
     ys = []
-    for t in range(length):
-        state = decay[:, t, :, None, None] * state + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
-        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    # by unbind, not by indexing, as selective_scan_ref (whose comment says why)
+    for decay_t, xdt_t, B_t, C_t in zip(decay.unbind(1), xdt.unbind(1), Bh.unbind(1), Ch.unbind(1)):
+        state = decay_t[:, :, None, None] * state + xdt_t[..., None] * B_t[:, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, C_t))
     y = torch.stack(ys, dim=1) if ys else x.new_zeros(x.shape, dtype=torch.float32)
     y = y + D.float()[:, None] * x.float()
     return y.to(x.dtype), state
