@@ -166,10 +166,13 @@ def run_lora_requests(vllm_dir, prompts, adapters, environment=None, **engine):
 
 def assert_lora_outputs_follow_transformers(model, merged, prompts, adapters, outputs):
     """Each request gives Transformers' greedy tokens of the base model with its adapter merged (the base model's
-    without one)."""
-    for adapter, prompt, output in zip(adapters, prompts, outputs):
-        reference = merged[adapter] if adapter else model
-        assert_follows_hf(reference, [prompt], [output], min_compared=0.25)
+    without one), up to its first near tie; half of all tokens come before one (a request may meet one at its first
+    token: in this random tiny model the 17-token prompt's does, with the default initialisation)."""
+    compared = sum(
+        tokens_following_hf(merged[adapter] if adapter else model, [prompt], [output])
+        for adapter, prompt, output in zip(adapters, prompts, outputs)
+    )
+    assert compared >= 0.5 * len(prompts) * MAX_TOKENS, f"only {compared} tokens compared before near ties"
 
 
 def test_lora_adapters_follow_transformers_with_the_adapter_merged(checkpoints, tmp_path):
@@ -209,6 +212,13 @@ def assert_follows_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3, min_
     """Each output is Transformers' greedy continuation, with close logprobs, up to the first step where
     Transformers' two best tokens are closer than `tie_gap` (from there both continuations are right). At least
     `min_compared` of all tokens must come before such a tie (this random tiny model has flat distributions)."""
+    compared = tokens_following_hf(model, prompts, outputs, tie_gap, atol)
+    assert compared >= min_compared * len(prompts) * MAX_TOKENS, f"only {compared} tokens compared before near ties"
+
+
+def tokens_following_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3) -> int:
+    """`assert_follows_hf`'s comparison without its count: asserts each output up to its first near tie and returns
+    how many tokens it compared."""
     compared = 0
     for prompt, output in zip(prompts, outputs):
         tokens, logprobs, gaps = hf_greedy(model, prompt, MAX_TOKENS)
@@ -220,7 +230,7 @@ def assert_follows_hf(model, prompts, outputs, tie_gap=FP32_TIE, atol=1e-3, min_
                 f"prompt of {len(prompt)} tokens, step {step}: logprob {output['logprobs'][step]} != {logprobs[step]}"
             )
             compared += 1
-    assert compared >= min_compared * len(prompts) * MAX_TOKENS, f"only {compared} tokens compared before near ties"
+    return compared
 
 
 def test_prefix_caching_hits_and_matches_transformers(checkpoints):
