@@ -138,14 +138,18 @@ case "${1:-kernels}" in
     # One bench_lm.py run (issue 31's memory program), its results JSON and log brought back; the corpus is built in
     # the call (the machine keeps nothing between leases). E.g. `lm --models hybrid --steps 800 --seed 1 --tag seed1
     # --commit $(git rev-parse --short HEAD)`: give --commit, the device copy's git metadata lags the working tree.
+    # Two runs share one GPU in a call (each ~480 s at the base shape, 800 steps) when each has its own
+    # LM_OUTPUT_DIR and TORCHINDUCTOR_CACHE_DIR: `LM_OUTPUT_DIR=/tmp/lm1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind1 bash
+    # scripts/device_check.sh lm ... & LM_OUTPUT_DIR=/tmp/lm2 ... & wait` (their tok/s then halve).
     shift
-    name=bench_lm-$(date +%H%M%S)
-    timeout "${LM_TIMEOUT_S:-560}" python3 scripts/bench_lm.py --corpus-bytes 600000000 --output-dir outputs/bench_lm \
+    name=bench_lm-$(date +%H%M%S)-$$
+    dir=${LM_OUTPUT_DIR:-outputs/bench_lm}
+    timeout "${LM_TIMEOUT_S:-560}" python3 scripts/bench_lm.py --corpus-bytes 600000000 --output-dir "$dir" \
       "$@" > "$OUT/$name.log" 2>&1
     status=$?
     ((status == 124)) && echo "bench_lm.py ran out of the call's time: only the models finished before are saved"
-    cp outputs/bench_lm/results-*.json "$OUT/" 2>/dev/null
-    for record in outputs/bench_lm/*/trained/training.json; do  # --stage train's records (a run's training figures)
+    cp "$dir"/results-*.json "$OUT/" 2>/dev/null
+    for record in "$dir"/*/trained/training.json; do  # --stage train's records (a run's training figures)
       [[ -f $record ]] && cp "$record" "$OUT/training-$(basename "$(dirname "$(dirname "$record")")").json"
     done
     grep -v "it/s\]\|^{'loss'" "$OUT/$name.log" | tail -40
