@@ -26,7 +26,7 @@ def _pick_blocks(num_channels: int, num_rows: int, max_block_t: int, max_block_e
     --only sweep`, BENCHMARKS.md), so the forward takes 32 elements per thread and the backward, which holds 2K-1 x
     tiles and K dy tiles at once, 16."""
     block_e = launch_power_of_2(num_channels, cap=max_block_e)
-    block_t = launch_power_of_2(num_rows, cap=max_block_t)  # a SymInt under dynamic shapes: see launch_power_of_2
+    block_t = launch_power_of_2(num_rows, cap=max_block_t)  # an int even where num_rows is a SymInt (dynamic shapes)
     num_warps = max(1, min(16, block_t * block_e // (32 * per_thread)))
     return block_t, block_e, num_warps
 
