@@ -120,9 +120,10 @@ class HybridConfig(PreTrainedConfig):
             Smallest initial dt.
         ssm_slow_channel_fraction (`float`, *optional*, defaults to 0.25):
             Share (0 to 1) of the branch's channels (Mamba-1) or heads (Mamba-2), the last ones, whose decay rates
-            `A` start 10^4 times smaller than Mamba's initialisation's: near no decay (an e-folding time of at least
-            6,250 tokens at the largest initial step), so that part of the state keeps what left the window from the
-            start; training barely moves them (`A_log`'s gradient scales with `A`). On real text (123M, 26M tokens)
+            `A` start 10^4 times smaller than Mamba's initialisation's (fraction * rows rounded half up): near no
+            decay (an e-folding time of 6,250 tokens for a rate of 16 at the default largest initial step, 0.1), so
+            that part of the state keeps what left the window from the start; Adam's steps on `A_log`, about the
+            learning rate each, keep them slow through training. On real text (123M, 26M tokens)
             a quarter makes the branch alone carry 49-57 % of what full attention gains from context older than 2W,
             against 4-5 % with none. An initialisation only: the function of given weights does not depend on it.
             0 gives Mamba's initialisation. `A_log` trains without weight decay, which would undo it.

@@ -140,7 +140,8 @@ case "${1:-kernels}" in
     # --commit $(git rev-parse --short HEAD)`: give --commit, the device copy's git metadata lags the working tree.
     # Two runs share one GPU in a call (each ~480 s at the base shape, 800 steps) when each has its own
     # LM_OUTPUT_DIR and TORCHINDUCTOR_CACHE_DIR: `LM_OUTPUT_DIR=/tmp/lm1 TORCHINDUCTOR_CACHE_DIR=/tmp/ind1 bash
-    # scripts/device_check.sh lm ... & LM_OUTPUT_DIR=/tmp/lm2 ... & wait` (their tok/s then halve).
+    # scripts/device_check.sh lm ... & LM_OUTPUT_DIR=/tmp/lm2 ... & wait` (their tok/s then halve), and each its own
+    # --tag: the results are brought back by model and tag, and the second run of a pair would overwrite the first.
     shift
     name=bench_lm-$(date +%H%M%S)-$$
     dir=${LM_OUTPUT_DIR:-outputs/bench_lm}

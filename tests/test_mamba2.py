@@ -3,6 +3,8 @@
 decoding and chunked prefill equal one pass, a packed row equals its sequences alone, left padding equals each prompt
 alone, static equals dynamic caches, saving and loading, and a fresh branch adds nothing (W_out = 0)."""
 
+import math
+
 import pytest
 import torch
 from conftest import MAMBA2_BRANCH as MAMBA2
@@ -11,6 +13,7 @@ from transformers import DataCollatorWithFlattening
 
 from modeling import HybridCache, HybridForCausalLM
 from modeling.history import Mamba2Branch
+from modeling.history.branch import slow_down_decays
 from modeling.training import HybridTrainer
 
 
@@ -179,7 +182,7 @@ def test_slow_channels_start_near_no_decay(ssm_type):
             plain.A_log, torch.log(torch.arange(1.0, plain.state_size + 1)).expand_as(plain.A_log)
         )
     rows = plain.A_log.shape[0]
-    fast = rows - round(0.25 * rows)
+    fast = rows - math.floor(0.25 * rows + 0.5)
     assert 0 < fast < rows
     torch.testing.assert_close(slow.A_log[:fast], plain.A_log[:fast], rtol=0, atol=0)
     torch.testing.assert_close(slow.A_log[fast:].exp(), plain.A_log[fast:].exp() * 1e-4)
@@ -190,6 +193,19 @@ def test_slow_channels_start_near_no_decay(ssm_type):
     ratio = slow.memory_timescales(hidden).double() / plain.memory_timescales(hidden).double()
     torch.testing.assert_close(ratio[..., :fast], torch.ones_like(ratio[..., :fast]))
     torch.testing.assert_close(ratio[..., fast:], torch.full_like(ratio[..., fast:], 1e4), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "rows, fraction, slow_rows",
+    # a quarter of 2 Mamba-2 heads is one slow head (Python's round() gives 0), of 10 rows 3 (it gives 2)
+    [(2, 0.25, 1), (10, 0.25, 3), (6, 0.25, 2), (1, 0.25, 0), (1, 0.5, 1), (4, 0.25, 1), (64, 0.25, 16), (5, 0.0, 0)],
+)
+def test_the_share_of_slow_rows_rounds_half_up(rows, fraction, slow_rows):
+    A_log = torch.rand(rows, 3, generator=torch.Generator().manual_seed(rows))
+    slowed = slow_down_decays(A_log, fraction)
+    changed = (slowed != A_log).any(-1)
+    assert changed.tolist() == [False] * (rows - slow_rows) + [True] * slow_rows
+    torch.testing.assert_close(slowed[changed].exp(), A_log[changed].exp() * 1e-4)
 
 
 @pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])

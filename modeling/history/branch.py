@@ -15,9 +15,10 @@ SLOW_DECAY_FACTOR = 1e-4
 
 
 def slow_down_decays(A_log: torch.Tensor, fraction: float) -> torch.Tensor:
-    """The initial `A_log` (dim 0: the branch's channels or heads) with the decay rates of its last
-    round(fraction * rows) rows made `SLOW_DECAY_FACTOR` times smaller (`config.ssm_slow_channel_fraction`)."""
-    slow = round(fraction * A_log.shape[0])
+    """The initial `A_log` (dim 0: the branch's channels or heads) with the decay rates of its last fraction * rows
+    rows, rounded half up, made `SLOW_DECAY_FACTOR` times smaller (`config.ssm_slow_channel_fraction`). Half up, not
+    Python's half to even: a quarter of a Mamba-2 branch's 2 heads is one slow head, not none."""
+    slow = math.floor(fraction * A_log.shape[0] + 0.5)
     if slow == 0:
         return A_log
     A_log = A_log.clone()
