@@ -5,7 +5,9 @@
 """
 
 import math
+from dataclasses import fields as dataclass_fields
 
+from huggingface_hub.dataclasses import type_validator
 from transformers import LlamaConfig, MistralConfig
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig
@@ -188,14 +190,14 @@ class HybridConfig(PreTrainedConfig):
     head_dim: int | None = None
     hidden_act: str = "silu"
     max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-6
+    initializer_range: float | int = 0.02
+    rms_norm_eps: float | int = 1e-6
     use_cache: bool = True
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None
     attention_bias: bool = False
     qkv_bias: bool = False
-    attention_dropout: float = 0.0
+    attention_dropout: float | int = 0.0
     sliding_window: int | None = 4096
     layer_types: list[str] | None = None
     ssm_type: str = "mamba1"
@@ -207,10 +209,10 @@ class HybridConfig(PreTrainedConfig):
     ssm_head_dim: int | None = None
     ssm_n_groups: int = 1
     ssm_chunk_size: int = 256
-    ssm_dt_min: float = 0.001
-    ssm_dt_max: float = 0.1
-    ssm_dt_init_floor: float = 1e-4
-    ssm_slow_channel_fraction: float = 0.25
+    ssm_dt_min: float | int = 0.001
+    ssm_dt_max: float | int = 0.1
+    ssm_dt_init_floor: float | int = 1e-4
+    ssm_slow_channel_fraction: float | int = 0.25
     ssm_conv_bias: bool = True
     use_ssm_branch: bool = True
     ssm_branch_norm: bool = False
@@ -231,9 +233,10 @@ class HybridConfig(PreTrainedConfig):
         if self.ssm_type == "mamba2" and _is_positive_int(self.ssm_intermediate_size):
             if self.ssm_num_heads is None and self.ssm_head_dim is None:
                 self.ssm_head_dim = 64
-            if self.ssm_num_heads is None and _is_positive_int(self.ssm_head_dim):
+            # The other of the two where the given one divides E (`validate_ssm_type_fields` says which does not).
+            if self.ssm_num_heads is None and _divides(self.ssm_head_dim, self.ssm_intermediate_size):
                 self.ssm_num_heads = self.ssm_intermediate_size // self.ssm_head_dim
-            elif self.ssm_head_dim is None and _is_positive_int(self.ssm_num_heads):
+            elif self.ssm_head_dim is None and _divides(self.ssm_num_heads, self.ssm_intermediate_size):
                 self.ssm_head_dim = self.ssm_intermediate_size // self.ssm_num_heads
         if self.layer_types is None and _is_positive_int(self.num_hidden_layers):
             self.layer_types = ["sliding_attention"] * self.num_hidden_layers
@@ -245,9 +248,24 @@ class HybridConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         self.validate()
 
+    def __setattr__(self, name, value):
+        # Transformers' configs are `@strict` dataclasses, whose fields check their type on every assignment, at
+        # construction and after it; so do this config's own fields, raising the ValueError naming the field that
+        # its other checks raise. Values (ranges, fields that must agree) are checked by `validate`: at
+        # construction, before `save_pretrained` writes, and when a model is built from the config.
+        expected = _FIELD_TYPES.get(name)
+        if expected is not None:
+            try:
+                type_validator(name, value, expected)
+            except TypeError:
+                expected = getattr(expected, "__name__", expected)
+                raise ValueError(f"HybridConfig.{name} must be of type {expected}, got {value!r}") from None
+        super().__setattr__(name, value)
+
     def validate(self):
         """The check Transformers runs before `save_pretrained` writes anything (and, for `@strict` configs, after
-        construction, as here): ours, then Transformers' own class validators (`validate_rope`, ...)."""
+        construction, as here), and the model runs when built from the config: ours, then Transformers' own class
+        validators (`validate_rope`, ...)."""
         self.validate_hybrid_fields()
         try:
             super().validate()
@@ -408,9 +426,21 @@ class HybridConfig(PreTrainedConfig):
                     f"HybridConfig.ssm_dt_rank must be a positive integer or 'auto', got {self.ssm_dt_rank!r}"
                 )
             return
-        for name in ("ssm_num_heads", "ssm_head_dim"):
-            if not _is_positive_int(getattr(self, name)):
-                raise ValueError(f"HybridConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("ssm_head_dim", "ssm_num_heads"):
+            value = getattr(self, name)
+            if value is not None and not _is_positive_int(value):
+                raise ValueError(f"HybridConfig.{name} must be a positive integer, got {value!r}")
+        if self.ssm_num_heads is None and self.ssm_head_dim is None:
+            raise ValueError(
+                "HybridConfig.ssm_num_heads or ssm_head_dim must be given for ssm_type 'mamba2' (the other, or with "
+                "neither a head_dim of 64, is derived when the config is built: set ssm_type at construction)"
+            )
+        for given, derived in (("ssm_head_dim", "ssm_num_heads"), ("ssm_num_heads", "ssm_head_dim")):
+            if getattr(self, derived) is None:
+                raise ValueError(
+                    f"HybridConfig.{given} ({getattr(self, given)}) must divide ssm_intermediate_size "
+                    f"({self.ssm_intermediate_size}): {derived} is derived from them"
+                )
         if self.ssm_num_heads * self.ssm_head_dim != self.ssm_intermediate_size:
             raise ValueError(
                 f"HybridConfig.ssm_num_heads ({self.ssm_num_heads}) x ssm_head_dim ({self.ssm_head_dim}) must equal "
@@ -437,12 +467,22 @@ class HybridConfig(PreTrainedConfig):
         return MistralConfig(**fields, sliding_window=self.sliding_window)
 
 
+# The declared type of each of HybridConfig's own fields (not those it inherits), checked on assignment.
+_FIELD_TYPES = {
+    field.name: field.type for field in dataclass_fields(HybridConfig) if field.name in HybridConfig.__annotations__
+}
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_positive_int(value) -> bool:
     return _is_int(value) and value > 0
+
+
+def _divides(divisor, value) -> bool:
+    return _is_positive_int(divisor) and _is_positive_int(value) and value % divisor == 0
 
 
 def _is_real(value) -> bool:

@@ -381,6 +381,9 @@ def hybrid_masks(
 
 class HybridModel(HybridPreTrainedModel):
     def __init__(self, config: HybridConfig):
+        # A config's fields check their types when assigned; what they must be together, and each one's range, is
+        # checked here too, for a config changed after it was built.
+        config.validate()
         super().__init__(config)
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size

@@ -199,6 +199,76 @@ def test_pickle_round_trip_names_the_public_module():
     assert copy.deepcopy(config).to_dict() == config.to_dict()
 
 
+MAMBA2 = {"ssm_type": "mamba2", "ssm_intermediate_size": 48}
+INVALID_BRANCH_FIELDS = [
+    ({"ssm_num_heads": 4}, "ssm_num_heads does not apply to ssm_type 'mamba1'"),
+    ({"ssm_chunk_size": 64}, "ssm_chunk_size does not apply"),
+    ({**MAMBA2, "ssm_dt_rank": 4}, "ssm_dt_rank does not apply to ssm_type 'mamba2'"),
+    ({**MAMBA2, "ssm_head_dim": 0}, "ssm_head_dim must be a positive integer, got 0"),
+    ({**MAMBA2, "ssm_head_dim": -12}, "ssm_head_dim must be a positive integer"),
+    ({**MAMBA2, "ssm_num_heads": 0}, "ssm_num_heads must be a positive integer, got 0"),
+    ({**MAMBA2, "ssm_head_dim": 16.0}, "ssm_head_dim must be of type"),
+    # the default head_dim, 64, is wider than E = 48: the message names it, not the heads derived from it
+    (MAMBA2, r"ssm_head_dim \(64\) must divide ssm_intermediate_size \(48\): ssm_num_heads is derived"),
+    ({**MAMBA2, "ssm_head_dim": 20}, r"ssm_head_dim \(20\) must divide"),
+    ({**MAMBA2, "ssm_num_heads": 5}, r"ssm_num_heads \(5\) must divide ssm_intermediate_size \(48\)"),
+    ({**MAMBA2, "ssm_num_heads": 4, "ssm_head_dim": 8}, r"ssm_num_heads \(4\) x ssm_head_dim \(8\) must equal"),
+    ({**MAMBA2, "ssm_num_heads": 4, "ssm_n_groups": 3}, r"ssm_n_groups \(3\) must divide ssm_num_heads \(4\)"),
+    ({**MAMBA2, "ssm_num_heads": 4, "ssm_chunk_size": 0}, "ssm_chunk_size must be a positive integer"),
+]
+
+
+@pytest.mark.parametrize("fields,match", INVALID_BRANCH_FIELDS, ids=[m[:40] for _, m in INVALID_BRANCH_FIELDS])
+def test_invalid_branch_field_raises_value_error_naming_it(fields, match):
+    with pytest.raises(ValueError, match=match):
+        tiny_config(**fields)
+
+
+def test_mamba2_heads_derive_from_either_field():
+    assert tiny_config(**MAMBA2, ssm_head_dim=12).ssm_num_heads == 4
+    assert tiny_config(**MAMBA2, ssm_num_heads=6).ssm_head_dim == 8
+
+
+@pytest.mark.parametrize(
+    "field,value", [("sliding_window", "8"), ("ssm_slow_channel_fraction", "0.1"), ("layer_types", "sliding"),
+                    ("use_ssm_branch", 1), ("ssm_head_dim", 12.0)],
+)  # fmt: skip
+def test_assigning_a_field_checks_its_type_as_transformers_strict_configs_do(field, value):
+    """Transformers' configs (`@strict` dataclasses) check a field's type when it is assigned, after construction
+    too; here a ValueError names the field and the config keeps its value."""
+    config = tiny_config()
+    before = getattr(config, field)
+    with pytest.raises(ValueError, match=f"HybridConfig.{field} must be of type"):
+        setattr(config, field, value)
+    assert getattr(config, field) == before
+    config.ssm_dt_max = 1  # an int where a float is declared, as Transformers' `float | int` fields take
+    config.rms_norm_eps = 1e-5
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"ssm_slow_channel_fraction": 2.0}, "ssm_slow_channel_fraction must be a number in"),
+        ({"sliding_window": 1}, "sliding_window must be an integer >= 2"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"ssm_type": "mamba2"}, "ssm_dt_rank does not apply to ssm_type 'mamba2'"),  # derived for Mamba-1
+        ({"ssm_dt_rank": "auto", "ssm_type": "mamba2"}, "ssm_num_heads or ssm_head_dim must be given"),
+    ],
+)
+def test_a_model_built_from_a_config_changed_after_construction_checks_it(changes, match):
+    """Values (ranges, and fields that must agree) are checked again when a model is built, so that a config edited
+    after construction fails there, naming the field, rather than deep in a forward or silently (a slow share of 2
+    slowed every channel)."""
+    from modeling import HybridForCausalLM, HybridForSequenceClassification
+
+    for model_class in (HybridForCausalLM, HybridForSequenceClassification):
+        config = tiny_config()
+        for field, value in changes.items():
+            setattr(config, field, value)
+        with pytest.raises(ValueError, match=match):
+            model_class(config)
+
+
 def test_every_ssm_type_the_config_accepts_has_a_branch():
     from configuration.configuration_hybrid import SSM_TYPES
     from modeling.history import HISTORY_BRANCHES

@@ -271,6 +271,26 @@ def test_the_error_is_the_first_and_only_stderr_line_of_the_script(hf_dir, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
+def test_the_module_form_converts_and_refuses_as_the_script_does(hf_dir, tmp_path):
+    """`python -m vllm_integration.convert` (Transformers' convert modules run so) is the script: it wrote nothing
+    and exited 0 before it called main()."""
+
+    def run(*args) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "vllm_integration.convert", *map(str, args)]
+        return subprocess.run(command, cwd=REPO_ROOT, check=False, capture_output=True, text=True, timeout=300)
+
+    converted = run(hf_dir, tmp_path / "out", "--dtype", "bfloat16")
+    assert converted.returncode == 0, converted.stderr
+    assert convert.main([str(hf_dir), str(tmp_path / "by_main"), "--dtype", "bfloat16"]) == 0
+    got, want = (
+        load_file(tmp_path / "out" / "model.safetensors"),
+        load_file(tmp_path / "by_main" / "model.safetensors"),
+    )
+    assert got.keys() == want.keys() and all(torch.equal(got[name], want[name]) for name in want)
+    refused = run(hf_dir, tmp_path / "out")  # an existing output, without --force
+    assert_refused(refused.returncode, refused.stderr, "exists")
+
+
 def test_a_sharded_checkpoint_converts_as_the_unsharded_one(hf_dir, tmp_path):
     assert convert.main([str(hf_dir), str(tmp_path / "whole")]) == 0
     shard(hf_dir)

@@ -1,11 +1,13 @@
 """Convert a Transformers `save_pretrained` checkpoint of the hybrid model into the checkpoint vLLM loads
-(`python scripts/convert_to_vllm.py HF_DIR OUT_DIR [--dtype bfloat16|float16|float32] [--force]`).
+(`python scripts/convert_to_vllm.py HF_DIR OUT_DIR [--dtype bfloat16|float16|float32] [--force]`, or
+`python -m vllm_integration.convert ...` with the same arguments).
 
 What changes (vLLM's layout, nothing of the function):
   * q/k/v_proj are fused into `self_attn.qkv_proj`, gate/up_proj into `mlp.gate_up_proj` (layout.py's
     `STACKED_PROJECTIONS`, in the shard order of vLLM's fused-layer loaders);
   * every tensor is cast to `--dtype` (default: the checkpoint's own; a float64 checkpoint is written as float32,
-    with a note on stderr: vLLM serves no float64), except A_log and D, which stay fp32 as the kernels read them.
+    with a note on stderr: vLLM serves no float64), except A_log, D and Mamba-2's dt_bias, which stay fp32 as the
+    kernels read them.
 The SSM tensors keep their Transformers names and values: vLLM's loader renames them and computes A = -exp(A_log)
 (layout.py), for a converted checkpoint as for a Transformers one.
 Inputs are float32, bfloat16 or float16 (or float64) tensors, in one file or in shards with their index. Every tensor
@@ -140,3 +142,7 @@ def main(argv=None) -> int:
         return 2
     print(f"wrote the vLLM checkpoint to {args.out_dir}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
