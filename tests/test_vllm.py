@@ -65,7 +65,9 @@ def random_prompts(lengths, vocab_size, seed=0):
     return [torch.randint(4, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=None, adapters=None, **engine):
+def run_vllm(
+    model_dir, requests, alone=False, state_dtypes=False, environment=None, adapters=None, refused=None, **engine
+):
     spec = {
         "model": str(model_dir),
         "llm": {**ENGINE, **engine},
@@ -74,6 +76,7 @@ def run_vllm(model_dir, requests, alone=False, state_dtypes=False, environment=N
         "alone": alone,
         "state_dtypes": state_dtypes,
         "adapters": adapters,
+        "refused": refused,
     }
     one_worker = engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1) == 1
     spec_path = model_dir.parent / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
@@ -271,10 +274,18 @@ def test_default_prefix_caching_is_the_versions_and_follows_transformers(checkpo
 def test_greedy_matches_transformers_and_requests_do_not_leak(checkpoints):
     """One batch of prompts up to 10x the window (both layer kinds), then each prompt alone (reusing the state slots
     of earlier requests): both follow Transformers' tokens and logprobs up to its first near tie, so a request's
-    tokens alone equal its tokens in the batch up to there and nothing leaks between requests."""
+    tokens alone equal its tokens in the batch up to there and nothing leaks between requests. The engine runs
+    without a tokenizer, as token-id clients run it: prompts with an id outside the vocabulary come first and are
+    refused by name (vLLM 0.26 checks ids only against a tokenizer: the embedding failed, and the engine answered
+    nothing after), and the engine serves the rest."""
     model, vllm_dir = checkpoints
-    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], model.config.vocab_size)
-    result = run_vllm(vllm_dir, prompts, alone=True)
+    vocab_size = model.config.vocab_size
+    prompts = random_prompts([3, 17, 40, 95, 10 * WINDOW, 129, 1], vocab_size)
+    refused = [[5, vocab_size, 6], [-1], [vocab_size + 100]]
+    result = run_vllm(vllm_dir, prompts, alone=True, skip_tokenizer_init=True, refused=refused)
+    assert result["refusals"] == [
+        f"ValueError: Token id {i} is out of vocabulary" for i in (vocab_size, -1, vocab_size + 100)
+    ]
     assert_follows_hf(model, prompts, result["outputs"])
     assert_follows_hf(model, prompts, result["alone_outputs"])
 

@@ -10,7 +10,9 @@ SPEC: {"model": dir, "llm": {LLM kwargs}, "requests": [[prompt token ids], ...],
                        as "state_dtypes", and of the KV caches as "kv_dtypes" with the bytes each element takes
                        there as "kv_element_bytes"; needs the engine in this process:
                        VLLM_ENABLE_V1_MULTIPROCESSING=0),
-       "adapters": [LoRA adapter dir or null, one per request] (optional: each request with its adapter, or none)}
+       "adapters": [LoRA adapter dir or null, one per request] (optional: each request with its adapter, or none),
+       "refused": [[prompt token ids], ...] (optional: each sent first, alone; what the engine raised is returned
+                  as "refusals", "Type: message" each, or null where it generated)}
 """
 
 import json
@@ -51,7 +53,16 @@ def run(spec: dict) -> dict:
             for o in outputs
         ]
 
-    result = {"outputs": generate(spec["requests"], spec.get("adapters"))}
+    result = {}
+    if spec.get("refused"):
+        result["refusals"] = []
+        for ids in spec["refused"]:
+            try:
+                generate([ids])
+                result["refusals"].append(None)
+            except Exception as error:  # what a client of the engine would see
+                result["refusals"].append(f"{type(error).__name__}: {error}")
+    result["outputs"] = generate(spec["requests"], spec.get("adapters"))
     if spec.get("alone"):
         result["alone_outputs"] = [generate([ids])[0] for ids in spec["requests"]]
     if spec.get("state_dtypes"):

@@ -13,9 +13,14 @@ def register() -> None:
 
     check_vllm()  # an unsupported vLLM fails here, by name, before it loads a model
 
-    from .upstream_fixes import bound_max_token_id, release_openmp_threads_before_fork
+    from .upstream_fixes import (
+        bound_max_token_id,
+        check_token_ids_without_tokenizer,
+        release_openmp_threads_before_fork,
+    )
 
     bound_max_token_id()
+    check_token_ids_without_tokenizer()
     release_openmp_threads_before_fork()
 
     if "HybridForCausalLM" not in ModelRegistry.get_supported_archs():

