@@ -218,7 +218,8 @@ def test_the_step_kernels_follow_the_step_reference(
     state's last two dimensions swapped; the caches one row longer than the batch), xz a view of a wider output;
     R and N are not powers of two. With small blocks every loop of the kernels takes several steps, the last one
     partial: E = 72 in conv programs of 16 channels (five x_proj shares, summed two at a time), x_proj's 17 rows
-    eight at a time, dt_proj's 5 columns four at a time."""
+    eight at a time, dt_proj's 5 columns four at a time. The token dimension of xz, the mask and the output is read
+    through row strides (the mask's is not 1)."""
     decode = importlib.import_module("modeling.ops.mamba_inner.decode")
     if small_blocks:
         monkeypatch.setattr(decode, "pick_step_blocks", lambda *args: decode.StepBlocks(e1=16, j=8, e2=16, r=4, p=2))
@@ -229,7 +230,9 @@ def test_the_step_kernels_follow_the_step_reference(
     g = torch.Generator().manual_seed(12)
     conv_state = torch.randn(batch, channels, 3, generator=g, dtype=torch.float64)
     ssm_state = torch.randn(batch, channels, state, generator=g, dtype=torch.float64)
-    padding_mask = torch.tensor([[1], [0], [1]], dtype=mask_dtype) if mask_dtype is not None else None
+    # the mask a column of a wider one (row stride 3), as generate() passes the last column of its growing mask
+    wide_mask = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=mask_dtype) if mask_dtype is not None else None
+    padding_mask = wide_mask[:, 1:2] if mask_dtype is not None else None
 
     rounded = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
     weights = {k: v.to(DEVICE) if v is not None else None for k, v in weights_of(rounded).items()}

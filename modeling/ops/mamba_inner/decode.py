@@ -161,9 +161,11 @@ def launch_mamba_inner_step(
     xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state, ssm_state,
     padding_mask, out,
 ) -> None:  # fmt: skip
-    """Both kernels over checked arguments (interface.py's `mamba_inner_step`): xz [rows, 2E] (last dim contiguous),
-    padding_mask [rows] or None, out [rows, E] contiguous (u, then the output)."""
-    num_rows, num_channels = out.shape
+    """Both kernels over checked arguments (interface.py's `mamba_inner_step`): xz [rows, 1, 2E] (last dim
+    contiguous), padding_mask [rows, 1] or None, out [rows, 1, E] contiguous (u, then the output). The token
+    dimension is read through the row strides, not selected away: three aten ops a layer and step fewer on the host,
+    which a dynamic-cache generate() step is bound by."""
+    num_rows, num_channels = out.shape[0], out.shape[-1]
     dt_rank, state_size = dt_proj_weight.shape[1], A_log.shape[1]
     x_proj_rows = dt_rank + 2 * state_size
     blocks = pick_step_blocks(num_channels, dt_rank, state_size)

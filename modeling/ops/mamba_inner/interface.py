@@ -231,8 +231,8 @@ def _mamba_inner_step(
     if num_rows == 0:  # an empty grid is not a valid launch
         return
     launch_mamba_inner_step(
-        xz[:, 0], conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state,
-        ssm_state, padding_mask[:, 0] if padding_mask is not None else None, out[:, 0],
+        xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, conv_state, ssm_state,
+        padding_mask, out,
     )  # fmt: skip
 
 
