@@ -20,8 +20,12 @@ plus LoRA of rank `--lora-rank` on the attention and MLP projections, merged int
 """
 
 import argparse
+import json
 import random
+import sys
+import tempfile
 import time
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 
 import torch
@@ -36,11 +40,25 @@ from transformers import (
     TrainerCallback,
     TrainingArguments,
 )
+from transformers.trainer_utils import SchedulerType
 
 from configuration import HybridConfig
 
+from .checkpoint_io import CheckpointError, read_config_json, refuse_output_dir, write_directory_atomically
 from .modeling_hybrid import HybridForCausalLM
 from .recall_task import RecallTask, collate_left_padded, recall_accuracy, small_recall_config
+
+
+class InputError(Exception):
+    """Bad input to `main`, found before anything is written: one `error:` line on stderr, exit code 2."""
+
+
+# What `--config` may hold: HybridConfig's fields (its own and those of every Transformers config) and the keys a
+# saved config.json adds or an older one names.
+CONFIG_KEYS = {field.name for field in dataclass_fields(HybridConfig)} | {
+    "model_type", "transformers_version", "_name_or_path", "output_attentions",
+    "torch_dtype", "rope_theta", "rope_scaling",
+}  # fmt: skip
 
 
 class ExampleDataset(Dataset):
@@ -56,10 +74,13 @@ class ExampleDataset(Dataset):
 
 def text_file_examples(path: str, tokenizer, block_size: int) -> list[dict]:
     """Tokenises the whole file and cuts it into blocks of `block_size` tokens (language-model labels)."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"--text-file {path}: {error}") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < block_size + 1:
-        raise ValueError(f"{path} holds {len(ids)} tokens, fewer than one block of {block_size + 1}")
+        raise InputError(f"--text-file {path} holds {len(ids)} tokens, fewer than one block of {block_size + 1}")
     return [
         {"input_ids": ids[i : i + block_size], "labels": ids[i : i + block_size]}
         for i in range(0, len(ids) - block_size + 1, block_size)
@@ -383,11 +404,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--tokenizer", help="tokenizer directory for --text-file (default: the --model's)")
     parser.add_argument("--block-size", type=int, default=256, help="tokens per text-file example")
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--output-dir", required=True, help="written whole at the end, or not at all")
+    parser.add_argument("--force", action="store_true", help="replace --output-dir if it exists")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--lr-scheduler", default="cosine", help="any Trainer lr_scheduler_type")
+    parser.add_argument(
+        "--lr-scheduler",
+        default="cosine",
+        choices=[kind.value for kind in SchedulerType],
+        help="Trainer's lr_scheduler_type",
+    )
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
@@ -424,63 +451,151 @@ def stochastic_window_callbacks(args) -> list[TrainerCallback]:
     return [StochasticWindowCallback(args.short_window, args.short_window_prob, args.short_window_until, args.seed)]
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        run(args)
+    except (InputError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def check_arguments(args) -> None:
+    """What the flags must be by themselves, and the output directory, before any work."""
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--block-size", args.block_size)):
+        if value < 1:
+            raise InputError(f"{flag} must be at least 1, got {value}")
     if args.teacher and not args.model:
-        raise SystemExit("error: --teacher needs --model, the student to distil into (e.g. from scripts/upcycle.py)")
+        raise InputError("--teacher needs --model, the student to distil into (e.g. from scripts/upcycle.py)")
+    if args.no_ssm and args.model:
+        raise InputError(
+            "--no-ssm builds a model without the branch: it takes --config or the recall model, not --model"
+        )
+    if args.text_file and not (args.tokenizer or args.model):
+        raise InputError("--text-file needs --tokenizer (or a --model that has one)")
+    if not args.text_file and not 1 <= args.recall_pairs <= RecallTask.num_keys:
+        raise InputError(f"--recall-pairs takes 1 to {RecallTask.num_keys} (the task's keys)")
+    for flag, path in (("--model", args.model), ("--teacher", args.teacher), ("--tokenizer", args.tokenizer)):
+        if path is not None and not Path(path).is_dir():
+            raise InputError(f"{flag} {path} is not a directory (a save_pretrained checkpoint)")
+    if args.model:
+        model_type = read_config_json(Path(args.model)).get("model_type")
+        if model_type != HybridConfig.model_type:
+            raise InputError(
+                f"--model {args.model} is a {model_type!r} checkpoint, not a hybrid: make one of it with "
+                "scripts/upcycle.py"
+            )
+        refuse_output_dir(Path(args.model), Path(args.output_dir), args.force)
+    elif Path(args.output_dir).exists() and not args.force:
+        raise InputError(f"{args.output_dir} exists; pass --force to replace it")
+
+
+def read_config(path: str) -> HybridConfig:
+    """`--config`: a JSON object of HybridConfig fields (a saved config.json too), every key one the config knows."""
+    try:
+        fields = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise InputError(f"--config {path}: {error}") from None
+    if not isinstance(fields, dict):
+        raise InputError(
+            f"--config {path}: expected a JSON object of HybridConfig fields, got {type(fields).__name__}"
+        )
+    unknown = sorted(set(fields) - CONFIG_KEYS)
+    if unknown:
+        raise InputError(f"--config {path}: not HybridConfig fields: {', '.join(unknown)}")
+    try:
+        return HybridConfig.from_dict(fields)
+    except ValueError as error:
+        raise InputError(f"--config {path}: {error}") from None
+
+
+def loaded(what: str, from_pretrained, path: str, **kwargs):
+    """`from_pretrained(path)` of a local directory, what it cannot load there an `InputError` naming it (first line
+    of Transformers' message, which would go on about the Hub)."""
+    try:
+        return from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:
+        raise InputError(f"no {what} could be loaded from {path}: {str(error).splitlines()[0]}") from None
+
+
+def run(args) -> None:
+    check_arguments(args)
     torch.manual_seed(args.seed)
     task = None
     if args.text_file:
-        tokenizer_source = args.tokenizer or args.model
-        if tokenizer_source is None:
-            raise SystemExit("error: --text-file needs --tokenizer (or a --model that has one)")
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        tokenizer = loaded("tokenizer", AutoTokenizer.from_pretrained, args.tokenizer or args.model)
         examples = text_file_examples(args.text_file, tokenizer, args.block_size)
     else:
-        if args.recall_pairs < 1 or args.recall_pairs > RecallTask.num_keys:
-            raise SystemExit(f"error: --recall-pairs takes 1 to {RecallTask.num_keys} (the task's keys)")
         task = RecallTask(num_pairs=args.recall_pairs)
-        tokenizer = AutoTokenizer.from_pretrained(args.model) if args.model else task.build_tokenizer()
+        if args.model:
+            tokenizer = loaded("tokenizer", AutoTokenizer.from_pretrained, args.model)
+        else:
+            tokenizer = task.build_tokenizer()
         examples = task.sample_examples(tokenizer, args.steps * args.batch_size, seed=args.seed)
+    if len(examples) < args.batch_size:  # the Trainer drops the last partial batch: it would train no step
+        raise InputError(f"{len(examples)} examples make no batch of --batch-size {args.batch_size}")
 
     if args.model:
         # fp32 weights whatever the checkpoint's dtype: --bf16 is mixed precision over them.
         model = HybridForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     elif args.config:
-        config = HybridConfig.from_json_file(args.config)
+        config = read_config(args.config)
         if args.no_ssm:  # the attention-only control: the same config without the branch (ssm_branch_norm, if
             config.use_ssm_branch = False  # set, then normalises the attention alone, as bench_lm's controls do)
         model = HybridForCausalLM(config)
     else:
         model = HybridForCausalLM(small_recall_config(tokenizer, use_ssm_branch=not args.no_ssm))
+    if len(tokenizer) > model.config.vocab_size:
+        raise InputError(
+            f"the tokenizer's {len(tokenizer)} tokens do not fit the model's vocab_size {model.config.vocab_size}"
+        )
+    window = model.config.sliding_window
+    if args.short_window is not None and not (window and 1 <= args.short_window <= window):
+        raise InputError(f"--short-window takes 1 to the model's sliding_window {window}, got {args.short_window}")
+    try:
+        callbacks = stochastic_window_callbacks(args)
+    except ValueError as error:
+        raise InputError(f"--short-window-prob, --short-window-until: {error}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     teacher = None
     if args.teacher:
-        teacher = AutoModelForCausalLM.from_pretrained(args.teacher, dtype=torch.bfloat16 if args.bf16 else "auto")
+        dtype = torch.bfloat16 if args.bf16 else "auto"
+        teacher = loaded("teacher", AutoModelForCausalLM.from_pretrained, args.teacher, dtype=dtype)
+        try:
+            check_same_vocabulary(model, teacher)
+        except ValueError as error:
+            raise InputError(str(error)) from None
     trained = prepare_trainable(model, args.train, args.lora_rank, args.lora_alpha)
 
-    train(
-        trained,
-        tokenizer,
-        examples,
-        args.output_dir,
-        args.steps,
-        args.batch_size,
-        args.lr,
-        args.lr_scheduler,
-        args.max_grad_norm,
-        args.weight_decay,
-        args.bf16,
-        args.gradient_checkpointing,
-        callbacks=stochastic_window_callbacks(args),
-        teacher=teacher,
-        temperature=args.temperature,
-        lm_loss_weight=args.lm_loss_weight,
-    )
+    # The Trainer's own files (logs) go to a directory of its own; the checkpoint is written whole or not at all.
+    with tempfile.TemporaryDirectory(prefix="train-") as trainer_dir:
+        train(
+            trained,
+            tokenizer,
+            examples,
+            trainer_dir,
+            args.steps,
+            args.batch_size,
+            args.lr,
+            args.lr_scheduler,
+            args.max_grad_norm,
+            args.weight_decay,
+            args.bf16,
+            args.gradient_checkpointing,
+            callbacks=callbacks,
+            teacher=teacher,
+            temperature=args.temperature,
+            lm_loss_weight=args.lm_loss_weight,
+        )
     model = merge_lora(trained)
-    model.save_pretrained(args.output_dir)
-    tokenizer.save_pretrained(args.output_dir)
+
+    def write(staging: Path) -> None:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+
+    write_directory_atomically(Path(args.output_dir), write, args.force)
     if task is not None:
         held_out = task.sample_examples(tokenizer, 1000, seed=args.seed + 1)
         print(
@@ -490,4 +605,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -110,8 +110,91 @@ def test_train_recall_pairs_trains_multi_query_recall_and_refuses_more_pairs_tha
     out = tmp_path / "mqar"
     training.main(["--recall-pairs", "4", "--steps", "1", "--batch-size", "2", "--output-dir", str(out)])
     assert asked == [4, 4] and "recall accuracy" in capsys.readouterr().out  # training, then held-out samples
-    with pytest.raises(SystemExit, match="--recall-pairs takes 1 to 8"):
-        training.main(["--recall-pairs", "9", "--steps", "1", "--output-dir", str(tmp_path / "refused")])
+    assert training.main(["--recall-pairs", "9", "--steps", "1", "--output-dir", str(tmp_path / "refused")]) == 2
+    assert capsys.readouterr().err == "error: --recall-pairs takes 1 to 8 (the task's keys)\n"
+
+
+def refusals_of_train_py(root):
+    """(arguments, what the error line says) of train.py inputs refused before any work; `root` holds `recall` (a
+    trained recall hybrid), `llama` (a Llama checkpoint), `corpus.txt`, `binary.txt` and `bad.json`."""
+    recall, out = str(root / "recall"), str(root / "out")
+    text = ["--model", recall, "--text-file"]
+    return [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--model", str(root / "nope")], "--model " + str(root / "nope") + " is not a directory"),
+        (
+            ["--model", str(root / "llama")],
+            "is a 'llama' checkpoint, not a hybrid: make one of it with scripts/upcycle.py",
+        ),
+        (["--model", recall, "--no-ssm"], "--no-ssm builds a model without the branch"),
+        (["--model", recall, "--output-dir", recall], "is the input checkpoint itself"),
+        (["--output-dir", recall], "exists; pass --force to replace it"),
+        ([*text, str(root / "missing.txt")], "--text-file " + str(root / "missing.txt") + ": [Errno 2]"),
+        ([*text, str(root / "binary.txt")], "codec can't decode"),
+        ([*text, str(root / "corpus.txt"), "--block-size", "4096"], "fewer than one block of 4097"),
+        (
+            [*text, str(root / "corpus.txt"), "--block-size", "64", "--batch-size", "64"],
+            "make no batch of --batch-size 64",
+        ),
+        (["--config", str(root / "bad.json")], "--config " + str(root / "bad.json") + ": Expecting"),
+        (["--config", str(root / "list.json")], "expected a JSON object of HybridConfig fields, got list"),
+        (["--config", str(root / "typo.json")], "not HybridConfig fields: slidng_window"),
+        (["--config", str(root / "invalid.json")], "HybridConfig.sliding_window must be"),
+        (["--config", str(root / "small_vocab.json")], "tokens do not fit the model's vocab_size"),
+        (["--model", recall, "--short-window", "1000"], "--short-window takes 1 to the model's sliding_window"),
+        (["--model", recall, "--short-window", "2", "--short-window-prob", "2"], "must lie in [0, 1]"),
+        (["--model", recall, "--teacher", str(root / "llama")], "the teacher's vocabulary"),
+    ], out
+
+
+def test_train_py_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path, capsys):
+    """Every input train.py cannot use gets one `error:` line and exit code 2 before training, and the output
+    directory is neither created nor touched (before: tracebacks with exit 1, a missing --model dir reported as a
+    failed Hub download, --no-ssm ignored with --model, a Llama checkpoint trained as if it were a hybrid, an epoch
+    of no step saved as a trained model, an empty output directory left by every failed or interrupted run)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = RecallTask().build_tokenizer()
+    assert training.main(["--output-dir", str(tmp_path / "recall"), "--steps", "1", "--batch-size", "2"]) == 0
+    llama = LlamaConfig(
+        vocab_size=len(tokenizer) + 3, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    LlamaForCausalLM(llama).save_pretrained(tmp_path / "llama")
+    words = RecallTask().words
+    (tmp_path / "corpus.txt").write_text(" ".join(words[i % len(words)] for i in range(300)))
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    config = small_recall_config(tokenizer).to_dict()
+    (tmp_path / "typo.json").write_text(json.dumps({**config, "slidng_window": 4}))
+    (tmp_path / "invalid.json").write_text(json.dumps({**config, "sliding_window": "8"}))
+    (tmp_path / "small_vocab.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer) - 1}))
+    capsys.readouterr()
+    refusals, out = refusals_of_train_py(tmp_path)
+    recall_files = sorted(p.name for p in (tmp_path / "recall").iterdir())
+    for arguments, message in refusals:
+        for flag, default in (("--output-dir", out), ("--steps", "1"), ("--batch-size", "2")):
+            arguments += [] if flag in arguments else [flag, default]
+        assert training.main(arguments) == 2, arguments
+        # one error line (where the refusal needs the model, after the progress bar of its loading)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], (arguments, errors)
+        assert not (tmp_path / "out").exists(), arguments
+    assert sorted(p.name for p in (tmp_path / "recall").iterdir()) == recall_files
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging left
+
+
+def test_train_py_replaces_an_output_only_with_force(tmp_path):
+    out = tmp_path / "out"
+    assert training.main(["--output-dir", str(out), "--steps", "1", "--batch-size", "2"]) == 0
+    first = (out / "model.safetensors").read_bytes()
+    assert training.main(["--output-dir", str(out), "--steps", "1", "--batch-size", "2", "--seed", "1"]) == 2
+    assert (out / "model.safetensors").read_bytes() == first
+    arguments = ["--output-dir", str(out), "--steps", "1", "--batch-size", "2", "--seed", "1", "--force"]
+    assert training.main(arguments) == 0
+    assert (out / "model.safetensors").read_bytes() != first
+    assert HybridForCausalLM.from_pretrained(out).config.model_type == "hybrid"
 
 
 def test_train_from_scratch_then_fine_tune_on_text(tmp_path, capsys):
