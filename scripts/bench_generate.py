@@ -167,6 +167,9 @@ def main(argv=None) -> int:
         )
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2: the decode step is timed from the tokens after the first")
+    for flag, value in (("--repeats", args.repeats), ("--batch", args.batch), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
     if args.smoke:
         device, dtype, shape = "cpu", torch.float32, SMOKE
         args.batch, args.prompt_len, args.new_tokens = min(args.batch, 2), min(args.prompt_len, 40), 4

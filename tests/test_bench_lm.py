@@ -381,7 +381,7 @@ def test_synthetic_retrievals_in_the_training_sequences(code_tokenizer_and_files
         assert torch.equal(ids[untouched], original[untouched])
         texts = tokenizer.decode(assignment), tokenizer.decode(use)
         matches = [(re.fullmatch(a, texts[0]), re.fullmatch(u, texts[1])) for a, u in patterns]
-        (assigned, used), = [m for m in matches if all(m)]
+        ((assigned, used),) = [m for m in matches if all(m)]
         key, value = assigned.groups()
         assert used.groups() == (key, value)
         assert re.fullmatch(r"[a-z]+[A-Z][a-z]+[0-9]", key) and re.fullmatch(r"[a-z]{6}-[0-9]{3}", value)
@@ -405,7 +405,7 @@ def test_training_format_probes_ask_what_the_data_lever_teaches(code_tokenizer_a
     for probe in probes:
         assert len(probe.filler) == 60
         assignment, question, value = (tokenizer.decode(p) for p in (probe.assignment, probe.question, probe.value))
-        (index, key), = [(i, m.group(1)) for i, (a, _) in enumerate(patterns) if (m := re.fullmatch(a, assignment))]
+        ((index, key),) = [(i, m.group(1)) for i, (a, _) in enumerate(patterns) if (m := re.fullmatch(a, assignment))]
         assert assignment == TRAINING_FORMATS[index][0].format(key=key, value=value)
         assert question == patterns[index][1].format(key=key)
         assert re.fullmatch(r"[a-z]+[A-Z][a-z]+[0-9]", key) and re.fullmatch(r"[a-z]{6}-[0-9]{3}", value)
@@ -445,6 +445,11 @@ def test_bad_arguments_are_refused(capsys):
         (["--steps", "3", "--set", "ssm_dt_mn=1e-4"], "HybridConfig field"),
         (["--steps", "3", "--set", "ssm_dt_min"], "FIELD=VALUE"),
         (["--steps", "3", "--set", "sliding_window=-3"], "--set"),
+        # the model kind's field, not a lever (it reached HybridConfig twice: a TypeError after the corpus was built)
+        (["--steps", "3", "--set", "use_ssm_branch=false"], "the model kind sets it"),
+        # checked at the run's shape (the smoke hybrid's E is 64), not the default config's
+        (["--smoke", "--set", "ssm_type=mamba2", "--set", "ssm_head_dim=128"], "ssm_head_dim (128) must divide"),
+        (["--report", "no-such-results.json"], "--report: no such file: no-such-results.json"),
         (["--steps", "3", "--retrieval-data-share", "1.5"], "--retrieval-data-share"),
     ):
         with pytest.raises(SystemExit) as error:

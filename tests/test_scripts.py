@@ -323,6 +323,14 @@ def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
     assert all(err < 2e-2 for err in checked.values()), checked
 
 
+@pytest.mark.parametrize("flag", ["--repeats", "--batch", "--prompt-len"])
+def test_bench_generate_refuses_counts_below_one_before_building_anything(flag):
+    """--repeats 0 ran the whole benchmark and then failed taking the median of no runs."""
+    command = [sys.executable, str(REPO_ROOT / "scripts" / "bench_generate.py"), "--smoke", flag, "0"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 2 and f"error: {flag} must be at least 1, got 0" in done.stderr, done.stderr
+
+
 def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
     """bench_generate.py --smoke on CPU, both caches, the Mamba-1 and Mamba-2 hybrids and Mistral: every model
     generates exactly the requested tokens in every timed run (the script refuses a short output), and each rate is the

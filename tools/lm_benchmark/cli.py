@@ -63,7 +63,17 @@ from modeling.history import HistoryBranch
 from modeling.training import TRAINING_MODES, add_stochastic_window_arguments
 from .corpus import collect_corpus, python_source_roots
 from .evaluation import PartTimer, evaluate
-from .models import FROM_TEACHER, MODELS, SHAPES, SMOKE_SHAPE, Shape, load_trained, model_to_train, teacher_dir
+from .models import (
+    FROM_TEACHER,
+    MODELS,
+    SHAPES,
+    SMOKE_SHAPE,
+    Shape,
+    load_trained,
+    model_to_train,
+    shape_fields,
+    teacher_dir,
+)
 from .report import plot, plot_decision, print_table
 from .retrieval_data import WithSyntheticRetrievals, training_format_retrieval
 from .timed_training import probe_seconds_per_step, train_model
@@ -265,8 +275,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     if args.report:
+        missing = [str(path) for path in args.report if not path.is_file()]
+        if missing:
+            parser.error(f"--report: no such file: {', '.join(missing)}")
         return args
-    args.config_overrides = config_overrides(parser, args.config_overrides)
+    args.config_overrides = config_overrides(
+        parser, args.config_overrides, SMOKE_SHAPE if args.smoke else SHAPES[args.shape]
+    )
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown or not args.models:
@@ -318,8 +333,9 @@ def check_trained_models(parser, args) -> None:
             )
 
 
-def config_overrides(parser, assignments: list[str]) -> dict:
-    """`--set FIELD=VALUE` pairs as HybridConfig keyword arguments, checked against the config's fields."""
+def config_overrides(parser, assignments: list[str], shape: Shape) -> dict:
+    """`--set FIELD=VALUE` pairs as HybridConfig keyword arguments, checked as the run's hybrid of `shape` takes them
+    (before the corpus is built). `use_ssm_branch` is the model kind's (`--models`), not a lever."""
     from configuration import HybridConfig
 
     fields = HybridConfig().to_dict()
@@ -328,12 +344,14 @@ def config_overrides(parser, assignments: list[str]) -> dict:
         field, equals, text = assignment.partition("=")
         if not equals or field not in fields:
             parser.error(f"--set takes FIELD=VALUE with a HybridConfig field; got {assignment!r}")
+        if field == "use_ssm_branch":
+            parser.error("--set use_ssm_branch: the model kind sets it (--models hybrid, swa, swa-matched)")
         try:
             overrides[field] = json.loads(text)
         except json.JSONDecodeError:
             overrides[field] = text
     try:
-        HybridConfig(**overrides)
+        HybridConfig(**{**shape_fields(shape), "sliding_window": shape.window, **overrides})
     except (TypeError, ValueError) as error:
         parser.error(f"--set: {error}")
     return overrides

@@ -67,15 +67,10 @@ def parameter_matched_intermediate_size(hybrid: HybridConfig) -> int:
     return hybrid.intermediate_size + 64 * round(extra / per_column / 64)
 
 
-def build_model(
-    kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int, overrides: dict | None = None
-) -> torch.nn.Module:
-    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any.
-    `overrides`: `HybridConfig` fields that the hybrids (and the baselines' configs, where they apply) take instead of
-    the defaults, e.g. the SSM's step-size range."""
-    torch.manual_seed(seed)
-    common = dict(
-        vocab_size=len(tokenizer),
+def shape_fields(shape: Shape) -> dict:
+    """The `HybridConfig` fields of every model of a run of this shape but the tokenizer's (vocabulary and ids) and
+    the window (the full-attention model has none)."""
+    return dict(
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_hidden_layers,
@@ -86,6 +81,19 @@ def build_model(
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
+    )
+
+
+def build_model(
+    kind: str, shape: Shape, tokenizer, attn_implementation: str, seed: int, overrides: dict | None = None
+) -> torch.nn.Module:
+    """A freshly initialised `kind` model (seeded: the same initial weights for the same shapes), on the GPU if any.
+    `overrides`: `HybridConfig` fields that the hybrids (and the baselines' configs, where they apply) take instead of
+    the defaults, e.g. the SSM's step-size range."""
+    torch.manual_seed(seed)
+    common = dict(
+        shape_fields(shape),
+        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
