@@ -254,6 +254,8 @@ class HybridConfig(PreTrainedConfig):
         # its other checks raise. Values (ranges, fields that must agree) are checked by `validate`: at
         # construction, before `save_pretrained` writes, and when a model is built from the config.
         expected = _FIELD_TYPES.get(name)
+        if isinstance(value, tuple) and name in ("layer_types", "eos_token_id"):
+            value = list(value)  # as JSON gives them back: a saved and loaded config equals the one built
         if expected is not None:
             try:
                 type_validator(name, value, expected)
@@ -338,7 +340,7 @@ class HybridConfig(PreTrainedConfig):
             raise ValueError(
                 f"HybridConfig.ssm_dt_min ({self.ssm_dt_min}) must not exceed ssm_dt_max ({self.ssm_dt_max})"
             )
-        if not isinstance(self.layer_types, (list, tuple)) or len(self.layer_types) != self.num_hidden_layers:
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"HybridConfig.layer_types must be a list of num_hidden_layers={self.num_hidden_layers} entries, "
                 f"got {self.layer_types!r}"
@@ -363,7 +365,7 @@ class HybridConfig(PreTrainedConfig):
             value = getattr(self, name)
             if value is None:
                 continue
-            ids = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
+            ids = value if name == "eos_token_id" and isinstance(value, list) else [value]
             if not ids or not all(_is_int(i) and 0 <= i < self.vocab_size for i in ids):
                 allowed = "None, an id or a non-empty list of ids" if name == "eos_token_id" else "None or an id"
                 raise ValueError(

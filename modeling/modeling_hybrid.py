@@ -382,7 +382,11 @@ def hybrid_masks(
 class HybridModel(HybridPreTrainedModel):
     def __init__(self, config: HybridConfig):
         # A config's fields check their types when assigned; what they must be together, and each one's range, is
-        # checked here too, for a config changed after it was built.
+        # checked here too, for a config changed after it was built. Fewer layers than `layer_types` names (e.g.
+        # `from_pretrained(..., num_hidden_layers=1)`, which Transformers' models serve from the first entries) keep
+        # the first entries, so that the config stays whole for `save_pretrained`.
+        if isinstance(config.layer_types, list) and len(config.layer_types) > config.num_hidden_layers:
+            config.layer_types = config.layer_types[: config.num_hidden_layers]
         config.validate()
         super().__init__(config)
         self.padding_idx = config.pad_token_id

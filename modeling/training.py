@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
+from huggingface_hub.errors import StrictDataclassError
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -44,7 +46,7 @@ from transformers.trainer_utils import SchedulerType
 
 from configuration import HybridConfig
 
-from .checkpoint_io import CheckpointError, read_config_json, refuse_output_dir, write_directory_atomically
+from .checkpoint_io import CheckpointError, refuse_output_dir, write_directory_atomically
 from .modeling_hybrid import HybridForCausalLM
 from .recall_task import RecallTask, collate_left_padded, recall_accuracy, small_recall_config
 
@@ -476,18 +478,17 @@ def check_arguments(args) -> None:
         raise InputError("--text-file needs --tokenizer (or a --model that has one)")
     if not args.text_file and not 1 <= args.recall_pairs <= RecallTask.num_keys:
         raise InputError(f"--recall-pairs takes 1 to {RecallTask.num_keys} (the task's keys)")
-    for flag, path in (("--model", args.model), ("--teacher", args.teacher), ("--tokenizer", args.tokenizer)):
-        if path is not None and not Path(path).is_dir():
-            raise InputError(f"{flag} {path} is not a directory (a save_pretrained checkpoint)")
-    if args.model:
-        model_type = read_config_json(Path(args.model)).get("model_type")
-        if model_type != HybridConfig.model_type:
+    if args.model:  # a local checkpoint or one on the Hub
+        config = loaded("config", AutoConfig.from_pretrained, args.model)
+        if config.model_type != HybridConfig.model_type:
             raise InputError(
-                f"--model {args.model} is a {model_type!r} checkpoint, not a hybrid: make one of it with "
+                f"--model {args.model} is a {config.model_type!r} checkpoint, not a hybrid: make one of it with "
                 "scripts/upcycle.py"
             )
-        refuse_output_dir(Path(args.model), Path(args.output_dir), args.force)
-    elif Path(args.output_dir).exists() and not args.force:
+    for path in (args.model, args.config, args.text_file, args.tokenizer, args.teacher):
+        if path is not None and Path(path).exists():  # --force would delete an input inside the output
+            refuse_output_dir(Path(path), Path(args.output_dir), args.force)
+    if Path(args.output_dir).exists() and not args.force:
         raise InputError(f"{args.output_dir} exists; pass --force to replace it")
 
 
@@ -506,7 +507,7 @@ def read_config(path: str) -> HybridConfig:
         raise InputError(f"--config {path}: not HybridConfig fields: {', '.join(unknown)}")
     try:
         return HybridConfig.from_dict(fields)
-    except ValueError as error:
+    except (ValueError, StrictDataclassError) as error:  # the latter: a field every Transformers config has
         raise InputError(f"--config {path}: {error}") from None
 
 
@@ -550,7 +551,7 @@ def run(args) -> None:
         raise InputError(
             f"the tokenizer's {len(tokenizer)} tokens do not fit the model's vocab_size {model.config.vocab_size}"
         )
-    window = model.config.sliding_window
+    window = model.config.sliding_window if "sliding_attention" in model.config.layer_types else None
     if args.short_window is not None and not (window and 1 <= args.short_window <= window):
         raise InputError(f"--short-window takes 1 to the model's sliding_window {window}, got {args.short_window}")
     try:
@@ -571,7 +572,7 @@ def run(args) -> None:
 
     # The Trainer's own files (logs) go to a directory of its own; the checkpoint is written whole or not at all.
     with tempfile.TemporaryDirectory(prefix="train-") as trainer_dir:
-        train(
+        trainer = train(
             trained,
             tokenizer,
             examples,
@@ -595,6 +596,8 @@ def run(args) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
 
+    if not trainer.is_world_process_zero():  # under torchrun one process writes the checkpoint
+        return
     write_directory_atomically(Path(args.output_dir), write, args.force)
     if task is not None:
         held_out = task.sample_examples(tokenizer, 1000, seed=args.seed + 1)

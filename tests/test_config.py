@@ -4,6 +4,7 @@ import math
 import pickle
 
 import pytest
+import torch
 from conftest import tiny_config
 from transformers import AutoConfig
 
@@ -267,6 +268,27 @@ def test_a_model_built_from_a_config_changed_after_construction_checks_it(change
             setattr(config, field, value)
         with pytest.raises(ValueError, match=match):
             model_class(config)
+
+
+def test_a_model_loaded_with_fewer_layers_keeps_the_first_layer_types(tmp_path):
+    """`from_pretrained(..., num_hidden_layers=1)` (a checkpoint trimmed for a quick test, as Transformers' models
+    serve it from the first entries of `layer_types`): the model validates the config it is built from, so the
+    config keeps the first entries and saves whole; the layer's weights are the checkpoint's."""
+    from modeling import HybridForCausalLM
+
+    HybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "three")
+    model = HybridForCausalLM.from_pretrained(tmp_path / "three", num_hidden_layers=2)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"] and len(model.model.layers) == 2
+    full = HybridForCausalLM.from_pretrained(tmp_path / "three")
+    for name, weight in model.state_dict().items():
+        assert torch.equal(weight, full.state_dict()[name]), name
+    model.save_pretrained(tmp_path / "two")
+    assert HybridForCausalLM.from_pretrained(tmp_path / "two").config.layer_types == model.config.layer_types
+
+
+def test_list_fields_take_tuples_as_lists():
+    config = tiny_config(layer_types=("sliding_attention",) * 3, eos_token_id=(2, 3))
+    assert config.layer_types == ["sliding_attention"] * 3 and config.eos_token_id == [2, 3]
 
 
 def test_every_ssm_type_the_config_accepts_has_a_branch():

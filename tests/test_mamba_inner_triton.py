@@ -230,8 +230,9 @@ def test_the_step_kernels_follow_the_step_reference(
     g = torch.Generator().manual_seed(12)
     conv_state = torch.randn(batch, channels, 3, generator=g, dtype=torch.float64)
     ssm_state = torch.randn(batch, channels, state, generator=g, dtype=torch.float64)
-    # the mask a column of a wider one (row stride 3), as generate() passes the last column of its growing mask
-    wide_mask = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 1, 0]], dtype=mask_dtype) if mask_dtype is not None else None
+    # the mask a column of a wider one (row stride 3), as generate() passes the last column of its growing mask;
+    # read with a row stride of 1 it would be [1, 1, 1]
+    wide_mask = torch.tensor([[0, 1, 1], [1, 0, 1], [0, 1, 0]], dtype=mask_dtype) if mask_dtype is not None else None
     padding_mask = wide_mask[:, 1:2] if mask_dtype is not None else None
 
     rounded = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
@@ -251,8 +252,9 @@ def test_the_step_kernels_follow_the_step_reference(
         wide = torch.randn(batch, 1, 2 * channels + 8, generator=g).to(DEVICE, dtype)  # NaN-free around xz
         xz = wide[..., 4 : 4 + 2 * channels]
         xz.copy_(rounded["xz"][:, t : t + 1])
+        device_mask = wide_mask.to(DEVICE)[:, 1:2] if padding_mask is not None else None  # the view on the device
         out = inner.mamba_inner_step(xz, **weights, conv_state=conv_cache, ssm_state=ssm_cache,
-                                     padding_mask=to_device(padding_mask))  # fmt: skip
+                                     padding_mask=device_mask)  # fmt: skip
         want = mamba_inner_step_ref(xz.double().cpu(), **ref_weights, conv_state=ref_conv, ssm_state=ref_ssm,
                                     padding_mask=padding_mask)  # fmt: skip
         assert out.shape == (batch, 1, channels) and out.dtype == dtype

