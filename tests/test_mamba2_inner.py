@@ -192,3 +192,45 @@ def test_the_branch_computes_with_its_fused_op_what_its_module_path_does(monkeyp
     assert_close_scaled(d_fused, d_modules, 1e-5, "d hidden")
     for name, grad in grads_fused.items():
         assert_close_scaled(grad, grads_modules[name], 1e-4, f"d {name}")
+
+
+def test_under_torch_compile_every_gradient_is_the_references(inner, monkeypatch):
+    """`torch.compile(fullgraph=True)` traces the op's autograd function whole wherever Dynamo can trace its kernels'
+    launches (CUDA); here the launches are swapped for their references (gradients by `torch.func.vjp`) so that it
+    does on CPU too. The compiled forward runs the norm's reference, whose fp32 result is `.to()` of itself: Dynamo
+    (torch 2.11) handed the backward a zero output gradient, and every weight of the branch got a zero gradient."""
+    from modeling.ops import causal_conv1d_ref, ssd_chunk_scan_ref
+
+    def conv_fwd(x, weight, bias, activation, seq_idx=None):  # token-major, as the kernel writes it
+        return causal_conv1d_ref(x, weight, bias, activation, seq_idx=seq_idx).contiguous()
+
+    def conv_bwd(x, weight, bias, dy, activation, seq_idx=None):
+        _, vjp = torch.func.vjp(lambda *a: causal_conv1d_ref(*a, activation, seq_idx=seq_idx), x, weight, bias)
+        return vjp(dy)
+
+    def scan_fwd(x, dt, A, B, C, D, initial, segments, chunk_size, blocks, with_final_state=True):
+        return ssd_chunk_scan_ref(x, dt, A, B, C, D, chunk_size)[0], None
+
+    def scan_bwd(x, dt, A, B, C, D, initial, segments, dy, dfinal, chunk_size, blocks):
+        _, vjp = torch.func.vjp(lambda *a: ssd_chunk_scan_ref(*a, chunk_size)[0], x, dt, A, B, C, D)
+        return (*vjp(dy), None)
+
+    for name, stand_in in [
+        ("causal_conv1d_fwd", conv_fwd), ("causal_conv1d_bwd", conv_bwd),
+        ("ssd_chunk_scan_fwd", scan_fwd), ("ssd_chunk_scan_bwd", scan_bwd),
+        ("gated_rms_norm_fwd", gated_rms_norm_ref), ("gated_rms_norm_bwd", gated_rms_norm_bwd_ref),
+    ]:  # fmt: skip
+        monkeypatch.setattr(inner, name, stand_in)
+    tensors = random_branch(2, 9, 4, 8, 2, 8, seed=3)
+    dout = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
+
+    ref_leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    (mamba2_inner_ref(**ref_leaves, n_groups=2, eps=1e-5) * dout).sum().backward()
+
+    leaves = {k: v.clone().requires_grad_() for k, v in tensors.items()}
+    compiled = torch.compile(
+        lambda t: inner.mamba2_inner_fn(**t, n_groups=2, eps=1e-5), fullgraph=True, backend="eager"
+    )
+    (compiled(leaves) * dout).sum().backward()
+    for name, leaf in leaves.items():
+        assert_close_scaled(leaf.grad, ref_leaves[name].grad, TOL[torch.float32], f"d{name}")
