@@ -225,6 +225,17 @@ def test_invalid_branch_field_raises_value_error_naming_it(fields, match):
         tiny_config(**fields)
 
 
+def test_slow_share_defaults_to_what_each_branch_was_measured_best_with(tmp_path):
+    """A quarter of Mamba-1's channels, none of Mamba-2's heads (BENCHMARKS.md, real text); a value given, or saved
+    with a checkpoint, is kept whichever the branch."""
+    assert tiny_config().ssm_slow_channel_fraction == 0.25
+    assert tiny_config(**MAMBA2, ssm_head_dim=12).ssm_slow_channel_fraction == 0.0
+    given = tiny_config(**MAMBA2, ssm_head_dim=12, ssm_slow_channel_fraction=0.25)
+    given.save_pretrained(tmp_path)
+    assert HybridConfig.from_pretrained(tmp_path).ssm_slow_channel_fraction == 0.25
+    assert tiny_config(ssm_slow_channel_fraction=0).ssm_slow_channel_fraction == 0
+
+
 def test_mamba2_heads_derive_from_either_field():
     assert tiny_config(**MAMBA2, ssm_head_dim=12).ssm_num_heads == 4
     assert tiny_config(**MAMBA2, ssm_num_heads=6).ssm_head_dim == 8

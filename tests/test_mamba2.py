@@ -119,9 +119,8 @@ def test_a_fresh_branch_adds_nothing_and_trains():
     with torch.no_grad():
         torch.testing.assert_close(with_branch(ids).logits, without(ids).logits)
     branch = with_branch.model.layers[0].self_attn.ssm
-    # a in A = -a: uniform in [1, 16] per head, 1e4 times smaller in the last quarter of the heads (the default
-    # ssm_slow_channel_fraction; here one of four)
-    decay_rates = branch.A_log.exp() * torch.tensor([1.0, 1.0, 1.0, 1e4])
+    # a in A = -a: uniform in [1, 16] per head (Mamba's initialisation: no slow heads by default for Mamba-2)
+    decay_rates = branch.A_log.exp()
     assert torch.all((decay_rates >= 1 * 0.999) & (decay_rates <= 16 * 1.001))
     dt = torch.nn.functional.softplus(branch.dt_bias)
     assert torch.all((dt >= with_branch.config.ssm_dt_min * 0.999) & (dt <= with_branch.config.ssm_dt_max * 1.001))
