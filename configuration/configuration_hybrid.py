@@ -128,7 +128,7 @@ class HybridConfig(PreTrainedConfig):
             learning rate each, keep them slow through training. Defaults to 0.25 for Mamba-1 and 0 for Mamba-2, as
             measured on real text (123M, 26M tokens): a quarter of Mamba-1's channels makes the branch alone carry
             49-57 % of what full attention gains from context older than 2W, against 4-5 % with none; a quarter of
-            Mamba-2's heads carries 13-15 % and costs 0.06 nats of loss inside the window. An initialisation only:
+            Mamba-2's heads carries 13 % and costs 0.06 nats of loss inside the window. An initialisation only:
             the function of given weights does not depend on it. 0 gives Mamba's initialisation. `A_log` trains
             without weight decay, which would undo it.
         ssm_conv_bias (`bool`, *optional*, defaults to `True`):

@@ -432,6 +432,24 @@ def test_the_norm_traces_inside_a_compiled_caller(grad):
         torch.testing.assert_close(got_tensor, want_tensor, atol=1e-5, rtol=1e-5)
 
 
+def test_the_norms_autograd_function_traced_whole_keeps_its_gradients():
+    """`GatedRMSNormFunction` traced by Dynamo, forward and backward (fp32): its forward returns the compiled path's
+    result, which was the reference's `.to()` of itself, and Dynamo (torch 2.11) gives such an output a zero
+    gradient. The gradients must be autograd's through the reference."""
+    from modeling.ops.ssd.gated_norm import GatedRMSNormFunction
+
+    g = torch.Generator().manual_seed(8)
+    tensors = [torch.randn(BATCH, LENGTH, HEADS * HEAD_DIM, generator=g) for _ in range(2)]
+    tensors.append(torch.randn(HEADS * HEAD_DIM, generator=g))
+    cotangent = torch.randn(tensors[0].shape, generator=g)
+    compiled = torch.compile(GatedRMSNormFunction.apply, fullgraph=True, backend="eager")
+    got_leaves, want_leaves = ([t.clone().requires_grad_() for t in tensors] for _ in range(2))
+    got = torch.autograd.grad(compiled(*got_leaves, HEAD_DIM, 1e-6), got_leaves, cotangent)
+    want = torch.autograd.grad(gated_rms_norm_ref(*want_leaves, HEAD_DIM, 1e-6), want_leaves, cotangent)
+    for name, got_grad, want_grad in zip(("dy", "dz", "dweight"), got, want, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.skipif(
     not ON_GPU, reason="Dynamo traces Triton launches on CUDA only (the interpreter's are opaque to it)"
 )

@@ -45,11 +45,6 @@ class Mamba2InnerFunction(torch.autograd.Function):
             dt, y,
         )  # fmt: skip
         ctx.n_groups, ctx.eps, ctx.blocks, ctx.A_log_dtype = n_groups, eps, blocks, A_log.dtype
-        if torch.compiler.is_compiling():
-            # The norm ran its reference, whose fp32 result is `.to()` of itself. Dynamo (torch 2.11) hands an
-            # autograd function whose output an op returned as its own input (`.to` to its dtype, `.contiguous()`) a
-            # zero output gradient: the whole branch trained on zeros. The clone fuses into the norm's kernel.
-            return out.clone()
         return out
 
     @staticmethod

@@ -100,7 +100,10 @@ def _check(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: i
 def gated_rms_norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float):
     """`gated_rms_norm_ref` on the forward kernel, no autograd (the reference inside a caller Dynamo compiles)."""
     if torch.compiler.is_compiling():
-        return gated_rms_norm_ref(y, z, weight, group_size, eps)
+        # A new tensor, not the reference's fp32 `.to()` of itself: Dynamo (torch 2.11) gives an autograd function
+        # whose output an op returned as its own input (`.to` to its dtype, `.contiguous()`) a zero output gradient,
+        # and the autograd functions here return this one's result. Inductor fuses the clone into the norm's kernel.
+        return gated_rms_norm_ref(y, z, weight, group_size, eps).clone()
     _check(y, z, weight, group_size)
     y_rows, z_rows, weight = _rows(y), _rows(z), weight.contiguous()  # the kernels read weight[c] at c
     out = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
@@ -164,5 +167,5 @@ def gated_rms_norm(
 ) -> torch.Tensor:
     """`gated_rms_norm_ref` on the kernels, with its gradients (the reference inside a caller Dynamo compiles)."""
     if torch.compiler.is_compiling():
-        return gated_rms_norm_ref(y, z, weight, group_size, eps)
+        return gated_rms_norm_ref(y, z, weight, group_size, eps).clone()
     return GatedRMSNormFunction.apply(y, z, weight, group_size, eps)
