@@ -351,9 +351,13 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)  # the host work of one issuing thread, as on a GPU
     if args.stub_kernels:
         stub_triton_launches()
-    # The kernels on CPU too (in the interpreter, or stubbed)
+    # The kernels on CPU too (in the interpreter, or stubbed), the Mamba-2 branch's gated norm module included (it
+    # picks its kernels for CUDA tensors by itself)
     mamba1.Mamba1Branch._ops_for = lambda self, hidden: mamba1.KERNEL_OPS
     mamba2.Mamba2Branch._on_kernels = lambda self, hidden: True
+    mamba2.Mamba2GatedRMSNorm.forward = lambda self, y, z: mamba2.gated_rms_norm(
+        y, z, self.weight, self.group_size, self.eps
+    )
     if args.decode:
         args.batch = args.batch or 8
         results = decode_host_work(args, device)

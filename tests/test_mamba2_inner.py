@@ -1,7 +1,8 @@
 """The Mamba-2 branch's fused training op (`mamba2_inner_fn`: one autograd node over the conv and chunked-scan
 kernels and the gated norm) against its reference (`mamba2_inner_ref`), in Triton's interpreter on CPU machines: the
 output and every gradient, with padding, packed rows, several scan chunks, groups, bf16 and autocast; the norm's
-written-out backward against autograd in float64; and the branch's fused path against its module path."""
+written-out backward against autograd in float64; and the branch's fused path against its module path. Its decode
+step on the caches (`mamba2_inner_step`) against `mamba2_inner_step_ref`, and that against the sequence reference."""
 
 import importlib
 import math
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import MAMBA2_BRANCH, padded_and_packed_rows, tiny_config
 
-from modeling.ops import gated_rms_norm_bwd_ref, gated_rms_norm_ref, mamba2_inner_ref
+from modeling.ops import gated_rms_norm_bwd_ref, gated_rms_norm_ref, mamba2_inner_ref, mamba2_inner_step_ref
 
 pytest.importorskip("triton")
 
@@ -234,3 +235,160 @@ def test_under_torch_compile_every_gradient_is_the_references(inner, monkeypatch
     (compiled(leaves) * dout).sum().backward()
     for name, leaf in leaves.items():
         assert_close_scaled(leaf.grad, ref_leaves[name].grad, TOL[torch.float32], f"d{name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The decode step on the caches: `mamba2_inner_step` (three launches) against `mamba2_inner_step_ref`, and the step
+# reference against the sequence reference
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def zero_caches(batch, heads, head_dim, groups, state, width=4, dtype=torch.float64):
+    conv_channels = heads * head_dim + 2 * groups * state
+    return {
+        "conv_state": torch.zeros(batch, conv_channels, width - 1, dtype=dtype),
+        "ssm_state": torch.zeros(batch, heads, head_dim, state, dtype=dtype),
+    }
+
+
+def test_the_step_reference_steps_through_what_the_sequence_reference_computes():
+    """`mamba2_inner_step_ref` token by token from zero caches gives `mamba2_inner_ref` over the whole sequence,
+    left padding included (a padding position's output is nobody's). Float64 inputs; the decode references take the
+    step and the state in fp32, hence fp32's tolerance."""
+    batch, seq_len, heads, head_dim, groups, state = 3, 9, 4, 4, 2, 5
+    tensors = {k: v.double() for k, v in random_branch(batch, seq_len, heads, head_dim, groups, state, seed=7).items()}
+    padding_mask = torch.ones(batch, seq_len, dtype=torch.long)
+    padding_mask[1, :4] = 0
+    zxbcdt = tensors.pop("zxbcdt")
+    want = mamba2_inner_ref(zxbcdt, **tensors, n_groups=groups, eps=1e-5, padding_mask=padding_mask)
+
+    caches = zero_caches(batch, heads, head_dim, groups, state)
+    steps = [
+        mamba2_inner_step_ref(zxbcdt[:, t : t + 1], **tensors, n_groups=groups, eps=1e-5, **caches,
+                              padding_mask=padding_mask[:, t : t + 1])
+        for t in range(seq_len)
+    ]  # fmt: skip
+    got = torch.cat(steps, dim=1)
+    real = padding_mask.bool()
+    assert got.shape == want.shape and got.dtype == torch.float64
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+
+
+STEP_CASES = [  # dtype, ssm state dtype, groups, conv bias, padding mask dtype (None: no mask)
+    (torch.float32, torch.float32, 1, True, None),
+    (torch.float32, torch.float32, 3, False, torch.long),
+    (torch.bfloat16, torch.float32, 3, True, torch.bool),
+    (torch.bfloat16, torch.bfloat16, 1, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,state_dtype,groups,conv_bias,mask_dtype",
+    STEP_CASES,
+    ids=[f"{str(c[0])[6:]}-state_{str(c[1])[6:]}-G{c[2]}{'-bias' if c[3] else ''}-mask_{str(c[4])[6:]}"
+         for c in STEP_CASES],
+)  # fmt: skip
+def test_the_step_kernels_follow_the_step_reference(inner, dtype, state_dtype, groups, conv_bias, mask_dtype):
+    """Three decode steps on the kernels and on the float64 reference from the same random caches: the outputs,
+    the conv history and the state after each step. The caches are strided views (the rows of a wider buffer, the
+    state's last two dimensions swapped; the caches one row longer than the batch, that row never written), zxbcdt a
+    view of a wider output, the mask a column of a wider one; heads of 6 channels, N 5, three groups of two heads."""
+    batch, heads, head_dim, state, steps = 3, 6, 6, 5, 3
+    tensors = random_branch(batch, steps, heads, head_dim, groups, state, seed=11)
+    if not conv_bias:
+        tensors["conv_bias"] = None
+    g = torch.Generator().manual_seed(12)
+    conv_channels = heads * head_dim + 2 * groups * state
+    conv_state = torch.randn(batch, conv_channels, 3, generator=g, dtype=torch.float64)
+    ssm_state = torch.randn(batch, heads, head_dim, state, generator=g, dtype=torch.float64)
+    wide_mask = torch.tensor([[0, 1, 1], [1, 0, 1], [0, 1, 0]], dtype=mask_dtype) if mask_dtype is not None else None
+
+    rounded = {k: v.to(dtype) if v is not None else None for k, v in tensors.items()}
+    zxbcdt_all = rounded.pop("zxbcdt")
+    weights = {k: v.to(DEVICE) if v is not None else None for k, v in rounded.items()}
+    ref_weights = {k: v.double() if v is not None else None for k, v in rounded.items()}
+    conv_buffer = torch.full((batch + 1, 2, conv_channels, 3), float("nan"), dtype=dtype, device=DEVICE)
+    conv_cache = conv_buffer[:, 1]
+    conv_cache[:batch].copy_(conv_state)
+    state_buffer = torch.full((batch + 1, heads, state, head_dim), float("nan"), dtype=state_dtype, device=DEVICE)
+    ssm_cache = state_buffer.transpose(2, 3)
+    ssm_cache[:batch].copy_(ssm_state)
+    ref_conv, ref_ssm = conv_cache[:batch].double().cpu(), ssm_cache[:batch].double().cpu()
+    args = {"n_groups": groups, "eps": 1e-5}
+
+    tol = TOL[dtype]
+    state_tol = max(tol, TOL[state_dtype])
+    for t in range(steps):
+        width = zxbcdt_all.shape[-1]
+        wide = torch.randn(batch, 1, width + 8, generator=g).to(DEVICE, dtype)  # NaN-free around zxbcdt
+        zxbcdt = wide[..., 4 : 4 + width]
+        zxbcdt.copy_(zxbcdt_all[:, t : t + 1])
+        mask = wide_mask[:, t : t + 1] if wide_mask is not None else None
+        out = inner.mamba2_inner_step(zxbcdt, **weights, **args, conv_state=conv_cache, ssm_state=ssm_cache,
+                                      padding_mask=to_device(mask))  # fmt: skip
+        want = mamba2_inner_step_ref(zxbcdt.double().cpu(), **ref_weights, **args, conv_state=ref_conv,
+                                     ssm_state=ref_ssm, padding_mask=mask)  # fmt: skip
+        assert out.shape == (batch, 1, heads * head_dim) and out.dtype == dtype
+        real = mask[:, 0].bool() if mask is not None else torch.ones(batch, dtype=torch.bool)
+        assert_close_scaled(out[real.to(DEVICE)], want[real], tol, f"y at step {t}")
+        assert_close_scaled(conv_cache[:batch], ref_conv, tol, f"conv history after step {t}")
+        assert_close_scaled(ssm_cache[:batch], ref_ssm, state_tol, f"state after step {t}")
+        # Nothing outside the batch's rows of the caches' views is written.
+        assert conv_buffer[:, 0].isnan().all() and conv_buffer[batch].isnan().all()
+        assert state_buffer[batch].isnan().all()
+    if wide_mask is not None:  # row 0's first token and row 2's first and last are padding: row 0 steps twice
+        assert not torch.equal(ssm_cache[0].double().cpu(), ssm_state[0].to(state_dtype).double())
+
+
+def test_a_padding_token_enters_the_history_as_zeros_and_leaves_the_state(inner):
+    """A step whose token is padding shifts a zero into the row's conv history and leaves its state exactly as it
+    was, on the kernels as in the reference; the other row steps."""
+    tensors = {k: v.float() for k, v in random_branch(2, 1, 4, 8, 2, 8, seed=15).items()}
+    g = torch.Generator().manual_seed(16)
+    conv_state = torch.randn(2, 64, 3, generator=g).to(DEVICE)
+    ssm_state = torch.randn(2, 4, 8, 8, generator=g).to(DEVICE)
+    before = (conv_state.clone(), ssm_state.clone())
+    zxbcdt = tensors.pop("zxbcdt").to(DEVICE)
+    weights = {k: v.to(DEVICE) for k, v in tensors.items()}
+    mask = torch.tensor([[1], [0]], device=DEVICE)
+    inner.mamba2_inner_step(zxbcdt, **weights, n_groups=2, eps=1e-5, conv_state=conv_state, ssm_state=ssm_state,
+                            padding_mask=mask)  # fmt: skip
+    assert torch.equal(ssm_state[1], before[1][1])
+    assert torch.equal(conv_state[1, :, :2], before[0][1, :, 1:]) and conv_state[1, :, 2].abs().max() == 0
+    assert not torch.equal(ssm_state[0], before[1][0])
+
+
+def test_the_step_is_one_op_in_a_compiled_graph(inner):
+    """Under `torch.compile(fullgraph=True)` (as generate() compiles a static-cache decode step) the step enters the
+    graph as its custom op, no graph break, and updates both caches and writes its output as in eager mode."""
+    tensors = {k: v.float().to(DEVICE) for k, v in random_branch(2, 1, 2, 8, 1, 4, seed=13).items()}
+    g = torch.Generator().manual_seed(14)
+    caches = {"conv_state": torch.randn(2, 24, 3, generator=g), "ssm_state": torch.randn(2, 2, 8, 4, generator=g)}
+    eager_caches = {k: v.clone().to(DEVICE) for k, v in caches.items()}
+    compiled_caches = {k: v.clone().to(DEVICE) for k, v in caches.items()}
+    eager = inner.mamba2_inner_step(**tensors, n_groups=1, eps=1e-5, **eager_caches)
+    step = torch.compile(inner.mamba2_inner_step, fullgraph=True, backend="aot_eager")
+    compiled = step(**tensors, n_groups=1, eps=1e-5, **compiled_caches)
+    torch.testing.assert_close(compiled, eager)
+    for name, cache in compiled_caches.items():
+        torch.testing.assert_close(cache, eager_caches[name])
+        assert not torch.equal(cache.cpu(), caches[name]), name  # the compiled call did update the cache
+
+
+def test_the_step_rejects_bad_arguments_by_name(inner):
+    tensors = {k: v.float() for k, v in random_branch(2, 1, 2, 8, 1, 4).items()}
+    caches = {"conv_state": torch.zeros(2, 24, 3), "ssm_state": torch.zeros(2, 2, 8, 4)}
+    zxbcdt = tensors.pop("zxbcdt")
+    args = {"n_groups": 1, "eps": 1e-5}
+    with pytest.raises(ValueError, match="zxbcdt must be"):
+        inner.mamba2_inner_step(zxbcdt[..., :-1], **tensors, **args, **caches)
+    with pytest.raises(ValueError, match="zxbcdt must be \\[B, 1"):
+        inner.mamba2_inner_step(zxbcdt.expand(2, 2, -1), **tensors, **args, **caches)
+    with pytest.raises(ValueError, match="D must be"):
+        inner.mamba2_inner_step(zxbcdt, **{**tensors, "D": tensors["D"][:1]}, **args, **caches)
+    with pytest.raises(ValueError, match="ssm_state: expected"):
+        inner.mamba2_inner_step(zxbcdt, **tensors, **args, **{**caches, "ssm_state": torch.zeros(2, 2, 4, 8)})
+    with pytest.raises(ValueError, match="conv_state: expected"):
+        inner.mamba2_inner_step(zxbcdt, **tensors, **args, **{**caches, "conv_state": torch.zeros(1, 24, 3)})
+    with pytest.raises(ValueError, match="padding_mask: expected"):
+        inner.mamba2_inner_step(zxbcdt, **tensors, **args, **caches, padding_mask=torch.ones(2))

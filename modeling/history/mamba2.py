@@ -17,12 +17,11 @@ from configuration import HybridConfig
 
 from ..ops import (
     causal_conv1d_ref,
-    causal_conv1d_update_ref,
     decay_rates,
     gated_rms_norm_ref,
     mamba2_inner_ref,
+    mamba2_inner_step_ref,
     ssd_chunk_scan_ref,
-    ssd_state_update_ref,
 )
 from ..ops.mamba2_inner.reference import split_heads_and_groups, step_sizes, zero_padding
 from .branch import HistoryBranch, slow_down_decays
@@ -30,14 +29,12 @@ from .branch import HistoryBranch, slow_down_decays
 logger = logging.get_logger(__name__)
 
 # On CUDA tensors: the conv's Triton kernels (the Mamba-1 branch's, any channel count), the chunked scan's Triton
-# kernels, the gated norm's Triton kernels, the decode step's state update in its Triton kernel, and the branch
-# between its projections as one op over these (training and cache-free forwards).
-causal_conv1d_fn = causal_conv1d_update = ssd_chunk_scan_fn = gated_rms_norm = ssd_state_update = None
-mamba2_inner_fn = None
+# kernels, the gated norm's Triton kernels, and the branch between its projections as one op over these (training and
+# cache-free forwards), and its decode step as one op (the conv's and the norm's kernels and the state update's).
+causal_conv1d_fn = ssd_chunk_scan_fn = gated_rms_norm = mamba2_inner_fn = mamba2_inner_step = None
 if importlib.util.find_spec("triton") is not None:
-    from ..ops.causal_conv1d.interface import causal_conv1d_fn, causal_conv1d_update
-    from ..ops.mamba2_inner.interface import mamba2_inner_fn
-    from ..ops.ssd.decode import ssd_state_update
+    from ..ops.causal_conv1d.interface import causal_conv1d_fn
+    from ..ops.mamba2_inner.interface import mamba2_inner_fn, mamba2_inner_step
     from ..ops.ssd.forward import MAX_HEAD_DIM
     from ..ops.ssd.gated_norm import gated_rms_norm
     from ..ops.ssd.interface import ssd_chunk_scan_fn
@@ -119,10 +116,27 @@ class Mamba2Branch(HistoryBranch):
                     zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx, self.chunk_size
                 )
             return self.out_proj(y)
+        if (
+            layer_cache is not None
+            and length == 1
+            and seq_idx is None
+            and not layer_cache.record_past
+            and self._are_plain((self.conv1d, nn.Conv1d), (self.norm, Mamba2GatedRMSNorm))
+        ):
+            # Steps 2-5 for one new token per row as one op, the cached conv history and state updated in place
+            # (no chunk machinery, no host sync): on the kernels three launches and a dozen aten ops, where the
+            # decode ops called one by one took some thirty more between them, and a generate() step with the
+            # dynamic cache is bound by that host work. With a hook on the conv or the norm (an adapter) a decode
+            # step takes the steps below, as any forward does.
+            step = mamba2_inner_step if on_kernels else mamba2_inner_step_ref
+            y = step(
+                zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,
+                self.n_groups, self.norm.eps, layer_cache.conv_states[0], layer_cache.recurrent_states[0],
+                padding_mask,
+            )  # fmt: skip
+            return self.out_proj(y)
         z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
         xBC = zero_padding(xBC, padding_mask)
-        if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past:
-            return self.out_proj(self._decode_step(z, xBC, dt, layer_cache, padding_mask, on_kernels))
 
         # 2. Causal depthwise conv (silu fused) over x, B and C, continuing from the cached last K-1 inputs.
         conv_history = layer_cache.conv_states[0] if has_history else None  # [B, E + 2GN, K-1]
@@ -158,28 +172,6 @@ class Mamba2Branch(HistoryBranch):
 
         # 5. Gated RMSNorm per group of E/G channels, then the output projection.
         return self.out_proj(self.norm(y.reshape(batch, length, -1), z))
-
-    def _decode_step(self, z, xBC, dt, layer_cache, padding_mask, on_kernels: bool) -> torch.Tensor:
-        """Steps 2-5 for one new token per row (z, xBC, dt [B, 1, ...]), the cached conv history and state updated in
-        place by the decode ops: no chunk machinery, no host sync. A padding token (padding_mask 0) enters the
-        history zeroed and steps by zero, leaving the state as it was. Returns the normed y [B, 1, E]."""
-        batch = xBC.shape[0]
-        rows = torch.arange(batch, device=xBC.device, dtype=torch.int32)  # row i owns cache row i
-        conv_update = causal_conv1d_update if on_kernels else causal_conv1d_update_ref
-        state_update = ssd_state_update if on_kernels else ssd_state_update_ref
-        conv_state = layer_cache.conv_states[0]
-        xBC = conv_update(xBC[:, 0], self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, rows, "silu")
-        x, B, C = split_heads_and_groups(xBC, self.intermediate_size, self.num_heads, self.n_groups)
-        dt = dt[:, 0]  # [B, Hs]: the update takes softplus(dt + dt_bias) in fp32
-        if padding_mask is not None:
-            # softplus(-inf) = 0: a padding token steps by zero and leaves the state as it was
-            dt = dt.masked_fill(padding_mask[:, -1:] == 0, float("-inf"))
-        # Row i owns cache row i.
-        y = state_update(
-            layer_cache.recurrent_states[0], x, dt, decay_rates(self.A_log), B, C, self.D,
-            dt_bias=self.dt_bias, dt_softplus=True,
-        )  # fmt: skip
-        return self.norm(y.reshape(batch, 1, -1), z)
 
     def _on_kernels(self, hidden_states: torch.Tensor) -> bool:
         """The Triton kernels for CUDA tensors (Triton installed), unless the config says `use_ssm_kernels=False`."""

@@ -7,7 +7,7 @@ the ground truth for its Triton kernels in the package beside it:
                         decode step on the caches as one op
     ssd/                Mamba-2's chunked scan (SSD), its decode update and its gated RMSNorm (references)
     mamba2_inner/       the Mamba-2 branch between its projections (conv, step, chunked scan, gated norm) as one
-                        training op
+                        training op, and its decode step on the caches as one op
     branch_norm.py      the per-head normalisation of both branches before their sum (`ssm_branch_norm`)
     decay.py            the state decay rates A = -exp(A_log) in fp32, for every path that reads A_log
                         (packages laid out as fla's ops: reference.py, exported here; the kernels behind interface.py)
@@ -23,7 +23,7 @@ Triton.
 from .branch_norm import rms_normalize_heads
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from .decay import decay_rates
-from .mamba2_inner import mamba2_inner_ref
+from .mamba2_inner import mamba2_inner_ref, mamba2_inner_step_ref
 from .mamba_inner import mamba_inner_ref, mamba_inner_step_ref
 from .selective_scan import selective_scan_ref, selective_scan_varlen_ref, selective_state_update_ref
 from .ssd import (
@@ -43,6 +43,7 @@ __all__ = [
     "gated_rms_norm_bwd_ref",
     "gated_rms_norm_ref",
     "mamba2_inner_ref",
+    "mamba2_inner_step_ref",
     "mamba_inner_ref",
     "mamba_inner_step_ref",
     "rms_normalize_heads",

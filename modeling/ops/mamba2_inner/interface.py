@@ -1,21 +1,27 @@
-"""The Mamba-2 branch between its projections on the kernels as one autograd node (`mamba2_inner_fn`, the contract
-of `mamba2_inner_ref`): the causal conv's kernels, the chunked scan's and the gated norm's (modeling/ops/ssd), its
-written-out backward among them.
+"""The Mamba-2 branch between its projections on the kernels: without a cache as one autograd node
+(`mamba2_inner_fn`, the contract of `mamba2_inner_ref`): the causal conv's kernels, the chunked scan's and the gated
+norm's (modeling/ops/ssd), its written-out backward among them; and its decode step on the caches as one op of three
+launches (`mamba2_inner_step`, the contract of `mamba2_inner_step_ref`).
 
 Why one node: built from its modules, the branch records about 45 autograd nodes a layer (the split, the conv, the
 step's casts and softplus, -exp(A_log), the scan, the norm's dozen elementwise ops and the views between them), and a
 training step of the issue-36 probe is host-bound on an H200 and an H100 (BENCHMARKS.md). Here the backward calls the
 kernels directly and takes the step's softplus and bias, the conv's padding and the norm's gradients in a few ops.
+Why one op for the decode step: through its modules it dispatches about 35 aten ops a layer beside its three launches
+(the split, the views of heads and groups, -exp(A_log), each kernel's checks and reshapes), and a generate() step with
+the dynamic cache is bound by that host work; the op reads in_proj's output and the conv's through strides.
 """
 
 import torch
 
+from ..causal_conv1d.forward import launch_causal_conv1d_update
 from ..causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
 from ..decay import decay_rates
+from ..ssd.decode import SSDUpdateArgs, launch_ssd_state_update
 from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
-from ..ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd
+from ..ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd, launch_gated_rms_norm_fwd
 from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
-from ..triton_utils import check_index
+from ..triton_utils import check_index, next_power_of_2
 from .reference import split_heads_and_groups, step_sizes, zero_padding
 
 
@@ -96,6 +102,28 @@ def mamba2_inner_fn(
     the result does not depend on it) and result, gradients for every tensor but the mask and seq_idx. Heads of up
     to `MAX_HEAD_DIM` channels. No cache: the conv starts from a zero history and the scan from a zero state, per row
     or per packed sequence."""
+    intermediate_size, num_heads, state_size = _check_branch(
+        zxbcdt, conv_weight, dt_bias, A_log, D, norm_weight, n_groups
+    )
+    if intermediate_size // num_heads > MAX_HEAD_DIM:
+        raise ValueError(
+            f"E={intermediate_size} (norm_weight) must be Hs={num_heads} heads of at most {MAX_HEAD_DIM} channels"
+        )
+    batch_size, seq_len = zxbcdt.shape[:2]
+    if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, seq_len):
+        raise ValueError(f"padding_mask must be [B, T] = {(batch_size, seq_len)}, got {tuple(padding_mask.shape)}")
+    if seq_idx is not None:
+        check_index("seq_idx", seq_idx, (batch_size, seq_len), like=zxbcdt)
+    if seq_len == 0:
+        return zxbcdt.new_empty(batch_size, 0, intermediate_size)
+    blocks = pick_ssd_blocks(intermediate_size // num_heads, state_size)
+    return Mamba2InnerFunction.apply(
+        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, padding_mask, seq_idx, n_groups, eps, blocks
+    )
+
+
+def _check_branch(zxbcdt, conv_weight, dt_bias, A_log, D, norm_weight, n_groups: int) -> tuple[int, int, int]:
+    """The shapes that tie in_proj's output and the branch's weights together; returns (E, Hs, N)."""
     if norm_weight.dim() != 1 or A_log.dim() != 1:
         raise ValueError(
             f"norm_weight must be [E] and A_log [Hs], got {tuple(norm_weight.shape)}, {tuple(A_log.shape)}"
@@ -105,10 +133,8 @@ def mamba2_inner_fn(
     for name, tensor in (("dt_bias", dt_bias), ("D", D)):
         if tuple(tensor.shape) != (num_heads,):
             raise ValueError(f"{name} must be [Hs={num_heads}] (A_log's heads), got {tuple(tensor.shape)}")
-    if intermediate_size % num_heads or intermediate_size // num_heads > MAX_HEAD_DIM:
-        raise ValueError(
-            f"E={intermediate_size} (norm_weight) must be Hs={num_heads} heads of at most {MAX_HEAD_DIM} channels"
-        )
+    if intermediate_size % num_heads:
+        raise ValueError(f"E={intermediate_size} (norm_weight) must be a whole number of Hs={num_heads} heads")
     if (
         num_heads % n_groups
         or conv_channels <= intermediate_size
@@ -125,15 +151,115 @@ def mamba2_inner_fn(
         raise ValueError(
             f"zxbcdt must be [B, T, E + (E + 2GN) + Hs = {width}] (in_proj's output), got {tuple(zxbcdt.shape)}"
         )
-    batch_size, seq_len = zxbcdt.shape[:2]
-    if padding_mask is not None and tuple(padding_mask.shape) != (batch_size, seq_len):
-        raise ValueError(f"padding_mask must be [B, T] = {(batch_size, seq_len)}, got {tuple(padding_mask.shape)}")
-    if seq_idx is not None:
-        check_index("seq_idx", seq_idx, (batch_size, seq_len), like=zxbcdt)
-    if seq_len == 0:
-        return zxbcdt.new_empty(batch_size, 0, intermediate_size)
-    state_size = (conv_channels - intermediate_size) // (2 * n_groups)
-    blocks = pick_ssd_blocks(intermediate_size // num_heads, state_size)
-    return Mamba2InnerFunction.apply(
-        zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, padding_mask, seq_idx, n_groups, eps, blocks
+    return intermediate_size, num_heads, (conv_channels - intermediate_size) // (2 * n_groups)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Decode: one token per cache row, the conv history and the state updated in place
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def mamba2_inner_step(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the branch between its projections in three launches (the conv update, the state update,
+    the gated norm): the contract of `mamba2_inner_step_ref` (same arguments, same result up to fp32 summation
+    order). zxbcdt [B, 1, E + (E + 2GN) + Hs] (in_proj's output, read in place: its last dimension contiguous);
+    conv_state [>= B, E + 2GN, K-1] and ssm_state [>= B, Hs, P, N] any strides (row i is row i's, updated in place);
+    padding_mask [B, 1] or None. No host sync, the grids from shapes: CUDA-graph safe. Under torch.compile it is one
+    opaque op (`torch.ops.hybrid_ssm.mamba2_inner_step`), so a compiled decode step keeps it in its graph. Inference
+    only (no autograd). Returns [B, 1, E] in zxbcdt's dtype."""
+    out = zxbcdt.new_empty(zxbcdt.shape[0], 1, norm_weight.shape[0])  # checked with zxbcdt in the op
+    step = torch.ops.hybrid_ssm.mamba2_inner_step if torch.compiler.is_compiling() else _mamba2_inner_step
+    step(zxbcdt, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, n_groups, eps, conv_state, ssm_state,
+         padding_mask, out)  # fmt: skip
+    return out
+
+
+def _mamba2_inner_step(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    intermediate_size, num_heads, state_size = _check_branch(
+        zxbcdt, conv_weight, dt_bias, A_log, D, norm_weight, n_groups
     )
+    num_rows, conv_channels, width = zxbcdt.shape[0], conv_weight.shape[0], conv_weight.shape[2]
+    head_dim = intermediate_size // num_heads
+    if zxbcdt.shape[1] != 1 or zxbcdt.stride(-1) != 1:
+        raise ValueError(f"zxbcdt must be [B, 1, ...] with its last dimension contiguous, got {tuple(zxbcdt.shape)} "
+                         f"with strides {zxbcdt.stride()}")  # fmt: skip
+    for name, tensor in (("conv_bias", conv_bias), ("dt_bias", dt_bias), ("D", D), ("norm_weight", norm_weight)):
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if conv_bias is not None and tuple(conv_bias.shape) != (conv_channels,):
+        raise ValueError(f"conv_bias must be [E + 2GN = {conv_channels}], got {tuple(conv_bias.shape)}")
+    for name, cache, shape in (
+        ("conv_state", conv_state, (conv_channels, width - 1)),
+        ("ssm_state", ssm_state, (num_heads, head_dim, state_size)),
+    ):
+        if cache.dim() != len(shape) + 1 or cache.shape[0] < num_rows or tuple(cache.shape[1:]) != shape:
+            raise ValueError(f"{name}: expected [>= {num_rows}, *{shape}] (row i the batch's row i), got "
+                             f"{tuple(cache.shape)}")  # fmt: skip
+    if ssm_state.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"ssm_state: expected fp32, bf16 or fp16, got {ssm_state.dtype}")
+    if padding_mask is not None and tuple(padding_mask.shape) != (num_rows, 1):
+        raise ValueError(f"padding_mask: expected ({num_rows}, 1), got {tuple(padding_mask.shape)}")
+    if num_rows == 0:  # an empty grid is not a valid launch
+        return
+
+    # in_proj's output read through its row stride: z, the conv's input and the step before its bias are column
+    # ranges of one [B, width] view.
+    row_in = zxbcdt.view(num_rows, -1)
+    z, xBC, dt = row_in[:, :intermediate_size], row_in[:, intermediate_size:-num_heads], row_in[:, -num_heads:]
+    if padding_mask is not None:
+        xBC = xBC * padding_mask.to(xBC.dtype)
+        dt = dt.masked_fill(padding_mask == 0, float("-inf"))  # softplus(-inf) = 0: the state stays as it was
+    xBC_conv = torch.empty(num_rows, conv_channels, dtype=zxbcdt.dtype, device=zxbcdt.device)
+    rows = torch.arange(num_rows, device=zxbcdt.device, dtype=torch.int32)  # row i owns cache row i
+    launch_causal_conv1d_update(
+        xBC, conv_weight[:, 0], conv_bias, conv_state, rows, None, xBC_conv, activation="silu",
+        block_e=min(256, next_power_of_2(conv_channels)), num_warps=4,
+    )  # fmt: skip
+
+    # x [B, Hs, P], B and C [B, G, N] are read in place in the conv's output, at columns 0, E and E + GN.
+    y = torch.empty(num_rows, intermediate_size, dtype=zxbcdt.dtype, device=zxbcdt.device)
+    row_stride, group_channels = xBC_conv.stride(0), n_groups * state_size
+    ssd = SSDUpdateArgs(
+        ssm_state, *ssm_state.stride(), xBC_conv, row_stride, head_dim, dt, dt.stride(0), dt_bias,
+        decay_rates(A_log), D, xBC_conv[:, intermediate_size:], row_stride, state_size,
+        xBC_conv[:, intermediate_size + group_channels :], row_stride, state_size, y, intermediate_size, head_dim,
+        dt, dt, num_heads, head_dim, state_size, num_heads // n_groups,
+    )  # fmt: skip
+    launch_ssd_state_update(
+        ssd, num_rows, has_indices=False, has_initial_flags=False, has_dt_bias=True, dt_softplus=True
+    )  # fmt: skip
+    launch_gated_rms_norm_fwd(y, z, norm_weight, out, intermediate_size // n_groups, eps)
+
+
+# Eager calls launch directly; a compiled graph calls the op, which dispatches to the same launches (its fake writes
+# nothing: the op only mutates its arguments).
+torch.library.custom_op(
+    "hybrid_ssm::mamba2_inner_step", _mamba2_inner_step, mutates_args=("conv_state", "ssm_state", "out")
+).register_fake(lambda *args: None)

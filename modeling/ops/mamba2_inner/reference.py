@@ -1,11 +1,12 @@
-"""Plain-PyTorch reference of the Mamba-2 branch's inner op: the ground truth of `mamba2_inner_fn` (interface.py)."""
+"""Plain-PyTorch references of the Mamba-2 branch's inner ops: the ground truth of `mamba2_inner_fn` (the branch
+without a cache) and `mamba2_inner_step` (its decode step on the caches), both in interface.py."""
 
 import torch
 import torch.nn.functional as F
 
-from ..causal_conv1d.reference import causal_conv1d_ref
+from ..causal_conv1d.reference import causal_conv1d_ref, causal_conv1d_update_ref
 from ..decay import decay_rates
-from ..ssd.reference import gated_rms_norm_ref, ssd_chunk_scan_ref
+from ..ssd.reference import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_state_update_ref
 
 
 def split_heads_and_groups(
@@ -70,3 +71,46 @@ def mamba2_inner_ref(
     chunk = min(chunk_size, zxbcdt.shape[1])
     y, _ = ssd_chunk_scan_ref(x, dt, decay_rates(A_log), B, C, D, chunk, None, seq_idx)
     return gated_rms_norm_ref(y.flatten(-2), z, norm_weight, intermediate_size // n_groups, eps)
+
+
+def mamba2_inner_step_ref(
+    zxbcdt: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A_log: torch.Tensor,
+    D: torch.Tensor,
+    norm_weight: torch.Tensor,
+    n_groups: int,
+    eps: float,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step of the branch between its projections, row i of the batch on row i of the caches (the
+    Transformers model's `generate()`): the conv update, the step, the state update and the gated norm of the module
+    path, in place on the caches. Tensor code throughout, no branch on values: a decode step on it exports and
+    compiles as one graph.
+
+    Args:
+        zxbcdt: [B, 1, E + (E + 2GN) + Hs], in_proj's output for one token per row (`mamba2_inner_ref`'s at T = 1).
+        conv_weight, conv_bias, dt_bias, A_log, D, norm_weight, n_groups, eps: as `mamba2_inner_ref` takes them.
+        conv_state: [>= B, E + 2GN, K-1], row i shifted by one with the token's xBC entering (in place).
+        ssm_state: [>= B, Hs, P, N] (fp32, bf16 or fp16), row i stepped in place.
+        padding_mask: [B, 1], 1 for a real token, 0 for padding, or None: a padding token's xBC enters the conv
+            history as zeros and its step is 0, so its state stays as it was (what the scan does with it); its output
+            is nobody's.
+
+    Returns:
+        [B, 1, E] in zxbcdt's dtype: what `mamba2_inner_ref` computes at that position.
+    """
+    intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
+    z, xBC, dt = zxbcdt[:, 0].split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
+    if padding_mask is not None:
+        xBC = xBC * padding_mask.to(xBC.dtype)
+        dt = dt.masked_fill(padding_mask == 0, float("-inf"))  # softplus(-inf) = 0: the state stays as it was
+    rows = torch.arange(zxbcdt.shape[0], device=zxbcdt.device)
+    xBC = causal_conv1d_update_ref(xBC, conv_weight[:, 0], conv_bias, conv_state, rows, "silu")
+    x, B, C = split_heads_and_groups(xBC, intermediate_size, num_heads, n_groups)
+    y = ssd_state_update_ref(ssm_state, x, dt, decay_rates(A_log), B, C, D, dt_bias=dt_bias, dt_softplus=True)
+    return gated_rms_norm_ref(y.flatten(-2), z, norm_weight, intermediate_size // n_groups, eps)[:, None]

@@ -215,10 +215,21 @@ def _ssd_state_update(
     ssd = ssd_update_args(state_cache, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out)
     if x.shape[0] == 0:  # an empty grid is not a valid launch
         return
+    launch_ssd_state_update(
+        ssd, x.shape[0], has_indices=state_indices is not None, has_initial_flags=has_initial_state is not None,
+        has_dt_bias=dt_bias is not None, dt_softplus=dt_softplus,
+    )  # fmt: skip
+
+
+def launch_ssd_state_update(
+    ssd: SSDUpdateArgs, num_requests: int, *, has_indices: bool, has_initial_flags: bool, has_dt_bias: bool,
+    dt_softplus: bool,
+) -> None:  # fmt: skip
+    """`_ssd_state_update_kernel` over checked arguments (`ssd_update_args`'s or a caller's own), num_requests >= 1."""
     block_p = pick_ssd_block_p(ssd.P, ssd.N)
-    _ssd_state_update_kernel[(x.shape[0], ssd.H, cdiv(ssd.P, block_p))](
-        ssd, BLOCK_P=block_p, BLOCK_N=next_power_of_2(ssd.N), HAS_INDICES=state_indices is not None,
-        HAS_INITIAL_FLAGS=has_initial_state is not None, HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+    _ssd_state_update_kernel[(num_requests, ssd.H, cdiv(ssd.P, block_p))](
+        ssd, BLOCK_P=block_p, BLOCK_N=next_power_of_2(ssd.N), HAS_INDICES=has_indices,
+        HAS_INITIAL_FLAGS=has_initial_flags, HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus,
     )  # fmt: skip
 
 

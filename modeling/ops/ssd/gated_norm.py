@@ -107,13 +107,21 @@ def gated_rms_norm_fwd(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, g
     _check(y, z, weight, group_size)
     y_rows, z_rows, weight = _rows(y), _rows(z), weight.contiguous()  # the kernels read weight[c] at c
     out = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
-    block = next_power_of_2(group_size)
     if out.numel():
-        _gated_rms_norm_fwd_kernel[(y_rows.shape[0], weight.shape[0] // group_size)](
-            y_rows, z_rows, weight, out, y_rows.stride(0), z_rows.stride(0), out.stride(0), group_size, eps,
-            BLOCK=block, num_warps=_num_warps(block),
-        )  # fmt: skip
+        launch_gated_rms_norm_fwd(y_rows, z_rows, weight, out, group_size, eps)
     return out.view(y.shape)
+
+
+def launch_gated_rms_norm_fwd(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, group_size: int, eps: float
+) -> None:
+    """The forward kernel over checked arguments: y, z and out hold one row per index of their first dimension (row
+    strides, the row's E channels contiguous), weight [E] contiguous; at least one row."""
+    block = next_power_of_2(group_size)
+    _gated_rms_norm_fwd_kernel[(y.shape[0], weight.shape[0] // group_size)](
+        y, z, weight, out, y.stride(0), z.stride(0), out.stride(0), group_size, eps,
+        BLOCK=block, num_warps=_num_warps(block),
+    )  # fmt: skip
 
 
 def gated_rms_norm_bwd(
