@@ -60,6 +60,48 @@ def test_cached_decoding_and_chunked_prefill_equal_one_pass(make_mamba2):
     torch.testing.assert_close(torch.cat(pieces, dim=1), one_pass, atol=2e-5, rtol=1e-4)
 
 
+def test_a_hooked_branch_decodes_through_its_sequence_path_as_the_step_op_does(make_mamba2, monkeypatch):
+    """A cached one-token step runs the branch's decode step as one op (`mamba2_inner_step_ref` here) when its conv
+    and norm are plain modules, and its sequence path (conv from the cached history, chunked scan from the cached
+    state, the norm module) when one carries a hook, as an adapter would: the same logits and caches over three steps
+    of a left-padded batch whose last step is padding in row 1 (its state kept)."""
+    from modeling.history import mamba2
+
+    calls = []
+    step_ref = mamba2.mamba2_inner_step_ref
+    monkeypatch.setattr(mamba2, "mamba2_inner_step_ref", lambda *a, **k: calls.append("step") or step_ref(*a, **k))
+    model = make_mamba2()
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 97, (2, 9), generator=generator)
+    steps = torch.randint(3, 97, (2, 3), generator=generator)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[1, -1] = 0
+    results = {}
+    for hooked in (False, True):
+        branches = [layer.self_attn.ssm for layer in model.model.layers]
+        hooks = [branch.norm.register_forward_hook(lambda *args: None) for branch in branches] if hooked else []
+        with torch.no_grad():
+            cache = model(ids, attention_mask=mask[:, :9], use_cache=True).past_key_values
+            calls.clear()
+            logits = [
+                model(steps[:, t : t + 1], attention_mask=mask[:, : 10 + t], past_key_values=cache, use_cache=True)
+                .logits for t in range(3)
+            ]  # fmt: skip
+        assert calls == ([] if hooked else ["step"] * 3 * len(branches)), calls
+        results[hooked] = (
+            torch.cat(logits, dim=1),
+            [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers],
+        )
+        for hook in hooks:
+            hook.remove()
+    (fused, fused_caches), (sequence, sequence_caches) = results[False], results[True]
+    torch.testing.assert_close(fused, sequence, atol=2e-5, rtol=1e-4)
+    for (conv, state), (ref_conv, ref_state) in zip(fused_caches, sequence_caches):
+        torch.testing.assert_close(conv, ref_conv, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(state, ref_state, atol=2e-5, rtol=1e-4)
+
+
 def test_packed_row_gives_each_sequence_what_it_gets_alone(make_mamba2):
     model = make_mamba2().train()
     generator = torch.Generator().manual_seed(2)
