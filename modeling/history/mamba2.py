@@ -124,10 +124,9 @@ class Mamba2Branch(HistoryBranch):
             and self._are_plain((self.conv1d, nn.Conv1d), (self.norm, Mamba2GatedRMSNorm))
         ):
             # Steps 2-5 for one new token per row as one op, the cached conv history and state updated in place
-            # (no chunk machinery, no host sync): on the kernels three launches and a dozen aten ops, where the
-            # decode ops called one by one took some thirty more between them, and a generate() step with the
-            # dynamic cache is bound by that host work. With a hook on the conv or the norm (an adapter) a decode
-            # step takes the steps below, as any forward does.
+            # (no chunk machinery, no host sync): on the kernels three launches under one set of checks, where a
+            # generate() step with the dynamic cache is bound by host work. With a hook on the conv or the norm (an
+            # adapter) a decode step takes the steps below, as any forward does.
             step = mamba2_inner_step if on_kernels else mamba2_inner_step_ref
             y = step(
                 zxbcdt, self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight,

@@ -7,9 +7,10 @@ Why one node: built from its modules, the branch records about 45 autograd nodes
 step's casts and softplus, -exp(A_log), the scan, the norm's dozen elementwise ops and the views between them), and a
 training step of the issue-36 probe is host-bound on an H200 and an H100 (BENCHMARKS.md). Here the backward calls the
 kernels directly and takes the step's softplus and bias, the conv's padding and the norm's gradients in a few ops.
-Why one op for the decode step: through its modules it dispatches about 35 aten ops a layer beside its three launches
-(the split, the views of heads and groups, -exp(A_log), each kernel's checks and reshapes), and a generate() step with
-the dynamic cache is bound by that host work; the op reads in_proj's output and the conv's through strides.
+Why one op for the decode step: a generate() step with the dynamic cache is bound by its host work, and the three
+decode kernels called through their public functions each check and reshape their arguments (the norm through its
+autograd function), between the split of in_proj's output and the views of heads and groups; here one set of checks,
+and the launches read in_proj's output and the conv's through strides (12 % less host work a step, BENCHMARKS.md).
 """
 
 import torch
