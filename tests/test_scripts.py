@@ -374,7 +374,7 @@ def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
 def test_bench_host_work_decode_counts_less_host_work_on_the_fused_branch_step(tmp_path):
     """bench_host_work.py --decode on CPU (Triton launches stubbed): a cached decode step of the hybrid dispatches
     fewer aten ops with its branch step as one op than through its modules, two Triton launches a layer either way
-    (and with the Mamba-2 branch), and Mistral none; the counts are the model's own, taken the same way for all."""
+    (three with the Mamba-2 branch), and Mistral none; the counts are the model's own, taken the same way for all."""
     result = tmp_path / "host_work.json"
     command = [
         sys.executable, str(REPO_ROOT / "scripts" / "bench_host_work.py"), "--decode", "--stub-kernels",
@@ -387,5 +387,6 @@ def test_bench_host_work_decode_counts_less_host_work_on_the_fused_branch_step(t
     assert rows["fused"]["aten_ops_per_layer"] < rows["modules"]["aten_ops_per_layer"]
     assert rows["mistral"]["aten_ops_per_layer"] < rows["fused"]["aten_ops_per_layer"]
     assert rows["fused"]["triton_launches_per_layer"] == rows["modules"]["triton_launches_per_layer"] == 2
-    assert rows["mamba2"]["triton_launches_per_layer"] == 2  # the conv update and the state update
+    # the conv update, the state update and the gated norm (the bench hands the norm module its kernels, as CUDA does)
+    assert rows["mamba2"]["triton_launches_per_layer"] == 3
     assert rows["mistral"]["triton_launches_per_layer"] == 0
