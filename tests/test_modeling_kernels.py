@@ -181,11 +181,15 @@ def test_the_fused_decode_step_and_the_module_path_give_the_same_steps(make_mode
         torch.testing.assert_close(state, ref_state, **tol)
 
 
-def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_on_cpu):
+@pytest.mark.parametrize("branch", [{}, MAMBA2_BRANCH], ids=["mamba1", "mamba2"])
+def test_a_decode_step_on_the_kernels_compiles_to_one_graph(make_model, kernels_on_cpu, monkeypatch, branch):
     """A one-token step on a HybridStaticCache under `torch.compile(fullgraph=True)`, as `generate()` compiles it
-    (masks built outside the graph by `create_masks_for_generate`): the SSM's decode kernels enter the graph as their
-    custom ops, not as graph breaks, and the compiled step gives the eager step's logits and caches."""
-    model = make_model().to(DEVICE)
+    (masks built outside the graph by `create_masks_for_generate`): the branch's decode step enters the graph as its
+    custom op (`mamba_inner_step`, `mamba2_inner_step`), not as a graph break, and the compiled step gives the eager
+    step's logits and caches."""
+    if not ON_GPU:
+        monkeypatch.setattr(Mamba2Branch, "_on_kernels", lambda self, hidden: self.use_kernels)
+    model = make_model(**branch).to(DEVICE)
     ids = torch.randint(3, 97, (2, 9), device=DEVICE)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
