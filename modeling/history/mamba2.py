@@ -106,8 +106,10 @@ class Mamba2Branch(HistoryBranch):
         # 1. Input projection: z gates the output, xBC feeds the conv, dt the step.
         zxbcdt = self.in_proj(hidden_states)
         on_kernels = self._on_kernels(hidden_states)
-        if past_key_values is None and self._inner_modules_are_plain(on_kernels):
-            # Steps 2-5 below as one op: on the kernels one autograd node instead of about 45
+        plain = self._inner_modules_are_plain()
+        if past_key_values is None and plain and not (on_kernels and self.head_dim > MAX_HEAD_DIM):
+            # Steps 2-5 below as one op: on the kernels one autograd node instead of about 45 (heads wider than the
+            # scan's kernels take run the steps below, the scan on its reference)
             weights = (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight)
             if on_kernels:
                 y = mamba2_inner_fn(zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx)
@@ -116,13 +118,7 @@ class Mamba2Branch(HistoryBranch):
                     zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx, self.chunk_size
                 )
             return self.out_proj(y)
-        if (
-            layer_cache is not None
-            and length == 1
-            and seq_idx is None
-            and not layer_cache.record_past
-            and self._are_plain((self.conv1d, nn.Conv1d), (self.norm, Mamba2GatedRMSNorm))
-        ):
+        if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past and plain:
             # Steps 2-5 for one new token per row as one op, the cached conv history and state updated in place
             # (no chunk machinery, no host sync): on the kernels three launches under one set of checks, where a
             # generate() step with the dynamic cache is bound by host work. With a hook on the conv or the norm (an
@@ -176,11 +172,8 @@ class Mamba2Branch(HistoryBranch):
         """The Triton kernels for CUDA tensors (Triton installed), unless the config says `use_ssm_kernels=False`."""
         return hidden_states.is_cuda and self.use_kernels and causal_conv1d_fn is not None
 
-    def _inner_modules_are_plain(self, on_kernels: bool) -> bool:
-        """Whether the inner op may read conv1d's and the norm's weights directly (`_are_plain`), and on the kernels
-        whether they take this model's heads (wider ones run the module path, its scan on the reference)."""
-        if on_kernels and self.head_dim > MAX_HEAD_DIM:
-            return False
+    def _inner_modules_are_plain(self) -> bool:
+        """Whether the inner ops may read conv1d's and the norm's weights directly (`_are_plain`)."""
         return self._are_plain((self.conv1d, nn.Conv1d), (self.norm, Mamba2GatedRMSNorm))
 
     def state_numel(self) -> tuple[int, int]:

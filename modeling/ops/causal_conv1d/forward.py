@@ -338,10 +338,13 @@ def launch_causal_conv1d_update(
     x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, state_indices: Tensor,
     has_initial_state: Tensor | None, out: Tensor,
     *,
-    activation: str | None, block_e: int, num_warps: int,
+    activation: str | None, block_e: int | None = None, num_warps: int | None = None,
 ) -> None:  # fmt: skip
-    """`_causal_conv1d_update_kernel`: one decode step per row of x [R, E] into out [R, E] and conv_state."""
+    """`_causal_conv1d_update_kernel`: one decode step per row of x [R, E] into out [R, E] and conv_state; block_e
+    and num_warps None pick up to 256 channels a program and 4 warps."""
     num_requests, num_channels = x.shape
+    block_e = block_e or min(256, next_power_of_2(num_channels))
+    num_warps = num_warps or 4
     grid = (cdiv(num_channels, block_e), num_requests)
     _causal_conv1d_update_kernel[grid](
         p_x=x,

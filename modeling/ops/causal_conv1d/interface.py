@@ -13,7 +13,7 @@ The serving functions take the cache after the op's own tensors and before the b
 
 import torch
 
-from ..triton_utils import cdiv, check_flags, check_index, launch_power_of_2, next_power_of_2
+from ..triton_utils import cdiv, check_flags, check_index, launch_power_of_2
 from .backward import launch_causal_conv1d_bwd
 from .forward import launch_causal_conv1d_fwd, launch_causal_conv1d_update, launch_varlen_conv_state
 from .reference import check_activation
@@ -339,8 +339,8 @@ def _causal_conv1d_update(
         has_initial_state,
         out,
         activation=activation,
-        block_e=block_e or min(256, next_power_of_2(num_channels)),
-        num_warps=num_warps or 4,
+        block_e=block_e,
+        num_warps=num_warps,
     )
 
 

@@ -22,8 +22,8 @@ from ..ssd.decode import SSDUpdateArgs, launch_ssd_state_update
 from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
 from ..ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd, launch_gated_rms_norm_fwd
 from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
-from ..triton_utils import check_index, next_power_of_2
-from .reference import split_heads_and_groups, step_sizes, zero_padding
+from ..triton_utils import check_index
+from .reference import mask_padding_step, split_heads_and_groups, step_sizes, zero_padding
 
 
 class Mamba2InnerFunction(torch.autograd.Function):
@@ -234,15 +234,10 @@ def _mamba2_inner_step(
     # ranges of one [B, width] view.
     row_in = zxbcdt.view(num_rows, -1)
     z, xBC, dt = row_in[:, :intermediate_size], row_in[:, intermediate_size:-num_heads], row_in[:, -num_heads:]
-    if padding_mask is not None:
-        xBC = xBC * padding_mask.to(xBC.dtype)
-        dt = dt.masked_fill(padding_mask == 0, float("-inf"))  # softplus(-inf) = 0: the state stays as it was
+    xBC, dt = mask_padding_step(xBC, dt, padding_mask)
     xBC_conv = torch.empty(num_rows, conv_channels, dtype=zxbcdt.dtype, device=zxbcdt.device)
     rows = torch.arange(num_rows, device=zxbcdt.device, dtype=torch.int32)  # row i owns cache row i
-    launch_causal_conv1d_update(
-        xBC, conv_weight[:, 0], conv_bias, conv_state, rows, None, xBC_conv, activation="silu",
-        block_e=min(256, next_power_of_2(conv_channels)), num_warps=4,
-    )  # fmt: skip
+    launch_causal_conv1d_update(xBC, conv_weight[:, 0], conv_bias, conv_state, rows, None, xBC_conv, activation="silu")
 
     # x [B, Hs, P], B and C [B, G, N] are read in place in the conv's output, at columns 0, E and E + GN.
     y = torch.empty(num_rows, intermediate_size, dtype=zxbcdt.dtype, device=zxbcdt.device)

@@ -24,6 +24,17 @@ def zero_padding(xBC: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.
     return xBC if padding_mask is None else xBC * padding_mask[..., None].to(xBC.dtype)
 
 
+def mask_padding_step(
+    xBC: torch.Tensor, dt: torch.Tensor, padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode step's conv input [B, C] and step before its bias [B, Hs] with padding rows (padding_mask [B, 1] 0)
+    masked: xBC zeroed (it enters the conv history as zeros) and dt -inf (softplus(-inf) = 0: the state stays as it
+    was). Themselves when there is no mask."""
+    if padding_mask is None:
+        return xBC, dt
+    return xBC * padding_mask.to(xBC.dtype), dt.masked_fill(padding_mask == 0, float("-inf"))
+
+
 def step_sizes(dt: torch.Tensor, dt_bias: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The step per token and head, softplus(dt + dt_bias) in fp32 [B, T, Hs], zero at padding: a padding token
     leaves the state as it was."""
@@ -106,9 +117,7 @@ def mamba2_inner_step_ref(
     """
     intermediate_size, num_heads = norm_weight.shape[0], A_log.shape[0]
     z, xBC, dt = zxbcdt[:, 0].split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
-    if padding_mask is not None:
-        xBC = xBC * padding_mask.to(xBC.dtype)
-        dt = dt.masked_fill(padding_mask == 0, float("-inf"))  # softplus(-inf) = 0: the state stays as it was
+    xBC, dt = mask_padding_step(xBC, dt, padding_mask)
     rows = torch.arange(zxbcdt.shape[0], device=zxbcdt.device)
     xBC = causal_conv1d_update_ref(xBC, conv_weight[:, 0], conv_bias, conv_state, rows, "silu")
     x, B, C = split_heads_and_groups(xBC, intermediate_size, num_heads, n_groups)
