@@ -124,8 +124,9 @@ case "${1:-kernels}" in
     shift
     # One SSM branch's training step: host work on the fused op and on the module path, side by side.
     python3 scripts/bench_host_work.py --python-profile 30 --json "$OUT/host_work.json" 2>&1 | tee "$OUT/host_work.log"
-    # A generate() decode step's host work (dynamic cache): the hybrid's fused branch step and module path, Mistral.
-    python3 scripts/bench_host_work.py --decode --json "$OUT/host_work_decode.json" 2>&1 | tee "$OUT/host_work_decode.log"
+    # A generate() decode step's host work (dynamic cache): the hybrid's fused branch step and module path, Mistral;
+    # each path's cProfile table says what a Triton launch costs on this host (its own Python, the binder, the driver).
+    python3 scripts/bench_host_work.py --decode --python-profile 40 --json "$OUT/host_work_decode.json" 2>&1 | tee "$OUT/host_work_decode.log"
     python3 scripts/bisect_train_step.py . "$@" --swa-tree . --rounds "${STEP_ROUNDS:-3}" --profile-trees . \
       --budget-s "${STEP_BUDGET_S:-200}" --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log" | tail -12
     train_status=${PIPESTATUS[0]}
