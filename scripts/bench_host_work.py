@@ -182,7 +182,67 @@ def decode_host_work(args, device: str) -> dict:
             f"{results[path]['triton_launches_per_layer']:.0f} a layer  host {results[path]['host_ms_median']:.3f} ms "
             f"per step (median of {args.repeats} x {args.steps})"
         )
+    if device == "cuda" and not args.stub_kernels:
+        results["launch_costs"] = launch_costs(models["hybrid"], args)
+        print("launch costs (us a call):", json.dumps(results["launch_costs"]))
     return results
+
+
+def launch_costs(model, args) -> dict:
+    """CUDA only: where a Triton launch's host time goes, on the Mamba-1 decode step's two launches (layer 0's weights,
+    `args.batch` rows): the whole op (`mamba_inner_step`: its checks, its allocations and both launches), each launch
+    through Triton's `kernel[grid](...)` (binding, specialisation key, cache lookup, then the compiled launcher), and
+    through the compiled launcher alone (`CompiledKernel[grid]`: what a launcher bound once per specialisation would
+    call), beside one small aten op for scale. Microseconds a call of host time, median of `args.repeats` repeats of
+    200 calls."""
+    from triton.runtime import driver, jit
+
+    from modeling.ops.mamba_inner.interface import mamba_inner_step
+
+    ssm = model.model.layers[0].self_attn.ssm
+    width, dtype = ssm.conv1d.weight.shape[-1], ssm.in_proj.weight.dtype
+    xz = torch.randn(args.batch, 1, 2 * ssm.intermediate_size, device="cuda", dtype=dtype)
+    conv_state = torch.randn(args.batch, ssm.intermediate_size, width - 1, device="cuda", dtype=dtype)
+    ssm_state = torch.randn(args.batch, ssm.intermediate_size, ssm.state_size, device="cuda")
+
+    def op():
+        mamba_inner_step(xz, ssm.conv1d.weight, ssm.conv1d.bias, ssm.x_proj.weight, ssm.dt_proj.weight,
+                         ssm.dt_proj.bias, ssm.A_log, ssm.D, conv_state, ssm_state)  # fmt: skip
+
+    recorded, run = [], jit.JITFunction.run
+
+    def recording_run(self, *launch_args, grid, warmup, **launch_kwargs):
+        kernel = run(self, *launch_args, grid=grid, warmup=warmup, **launch_kwargs)
+        recorded.append((self, launch_args, launch_kwargs, grid, kernel))
+        return kernel
+
+    jit.JITFunction.run = recording_run
+    try:
+        op()
+    finally:
+        jit.JITFunction.run = run
+
+    def per_call_us(call) -> float:
+        times = []
+        for _ in range(args.repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(200):
+                call()
+            times.append((time.perf_counter() - start) / 200 * 1e6)
+            torch.cuda.synchronize()
+        return round(statistics.median(times), 2)
+
+    costs = {"mamba_inner_step": per_call_us(op), "aten add": per_call_us(lambda: torch.add(xz, xz))}
+    device = driver.active.get_current_device()
+    for fn, launch_args, launch_kwargs, grid, kernel in recorded:
+        bound_args = fn.device_caches[device][4](*launch_args, **launch_kwargs)[0]  # the binder's bound arguments
+        grid = grid(bound_args) if callable(grid) else grid
+        grid = (*grid, *(1,) * (3 - len(grid)))
+        name = fn.fn.__name__
+        costs[f"{name} kernel[grid]"] = per_call_us(lambda: fn[grid](*launch_args, **launch_kwargs))
+        costs[f"{name} CompiledKernel[grid]"] = per_call_us(lambda: kernel[grid](*bound_args.values()))
+    return costs
 
 
 def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
