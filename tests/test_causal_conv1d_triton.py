@@ -116,6 +116,24 @@ def test_backward_sums_partials_of_many_programs(ops, activation):
         assert_close(grad, leaf.grad, torch.float32)
 
 
+def test_backward_writes_dx_into_a_given_view(ops):
+    """dx given as a column range of a wider gradient (the branch's xz gradient, whose other half the scan writes):
+    the values of a fresh dx, every element of the range written, nothing outside it touched."""
+    x, weight, bias, history = train_inputs(2, 23, 21, 4, torch.float32, torch.float32, True, True, seed=5)
+    dy = torch.randn(2, 23, 21, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    expected = ops.causal_conv1d_bwd(x, weight, bias, dy, "silu", history, block_t=4, block_e=8, rows_per_program=8)
+    wider = torch.full((2, 23, 2 * 21), float("nan"), device=DEVICE)  # poisoned
+    given = ops.causal_conv1d_bwd(
+        x, weight, bias, dy, "silu", history, block_t=4, block_e=8, rows_per_program=8, dx=wider[..., :21]
+    )
+    assert given[0].data_ptr() == wider.data_ptr()
+    for actual, fresh in zip(given, expected):
+        torch.testing.assert_close(actual, fresh, atol=0, rtol=0)
+    assert wider[..., 21:].isnan().all()
+    with pytest.raises(ValueError, match="dx must be"):
+        ops.causal_conv1d_bwd(x, weight, bias, dy, "silu", history, dx=wider[..., :20])
+
+
 @pytest.mark.parametrize("split", [2, 9], ids=["first-chunk-shorter-than-K-1", "first-chunk-long"])
 def test_chunks_continuing_from_history_match_one_pass(ops, split):
     x, weight, bias, _ = train_inputs(2, 14, 12, 4, torch.float32, torch.float32, True, False, seed=5)

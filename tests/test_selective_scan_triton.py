@@ -176,6 +176,29 @@ def test_training_forward_backward(
     )
 
 
+def test_training_backward_writes_dz_into_a_given_view(scan):
+    """dz given as a column range of a wider gradient (the branch's xz gradient, whose other half the conv writes):
+    every output of a backward with a fresh dz, bit for bit, every element of the range written, nothing outside it
+    touched (the backward's other outputs are checked against the reference above)."""
+    inputs = random_training_inputs(2, 21, 24, 8, torch.float32, seed=4)
+    inputs["dt_bias"] = torch.rand(24, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    u, dt, A, B, C, D, z, h0, dt_bias = (
+        inputs[k].float().to(DEVICE) for k in ("u", "dt", "A", "B", "C", "D", "z", "initial_state", "dt_bias")
+    )
+    blocks = scan.pick_scan_blocks(2, 21, 24, 8, chunk=8, seg=4, bwd_block_e=8)
+    _, _, residuals = scan.selective_scan_fwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks)
+    dy = torch.randn(2, 21, 24, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    expected = scan.selective_scan_bwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None)
+    wider = torch.full((2, 21, 48), float("nan"), device=DEVICE)  # poisoned
+    given = scan.selective_scan_bwd(
+        u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider[..., 24:]
+    )
+    assert given[6].data_ptr() == wider[..., 24:].data_ptr()
+    for name, actual, fresh in zip(("du", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0", "d_dt_bias"), given, expected):
+        torch.testing.assert_close(actual, fresh, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert wider[..., :24].isnan().all()
+
+
 PACKED_CASES = [  # as TRAIN_CASES, then row 0's sequence starts and seq_idx's dtype; with chunk 8, row 0 has a
     # reset inside chunk 0, one exactly at chunk 1's start and two more in chunk 1 (token 11 alone: a length-1
     # sequence), then (T26, T19) a chunk without a reset and (T21, T26) a length-1 last sequence; resets also fall

@@ -139,9 +139,12 @@ def causal_conv1d_bwd(
     block_e: int | None = None,
     num_warps: int | None = None,
     rows_per_program: int | None = None,
+    dx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Backward of `causal_conv1d_fn` (the forward's arguments, and dy [B, T, E]): returns (dx [B, T, E] contiguous
-    in x.dtype, dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None).
+    """Backward of `causal_conv1d_fn` (the forward's arguments, and dy [B, T, E]): returns (dx [B, T, E] in x.dtype,
+    dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None). dx: where to write it ([B, T, E] in x's dtype,
+    any strides: e.g. a column range of the gradient of the wider tensor x was cut from), or None for a new
+    contiguous tensor.
 
     dweight and dbias are sums over B and T. Each program writes fp32 partial sums for its (batch row, row range,
     channel block) and torch adds them up: deterministic (fp32 atomics would make every run differ in the last bits)
@@ -152,6 +155,9 @@ def causal_conv1d_bwd(
     _check_training_inputs(x, weight, bias, initial_history, seq_idx)
     if dy.shape != x.shape:
         raise ValueError(f"dy must be {tuple(x.shape)}, got {tuple(dy.shape)}")
+    if dx is not None and (dx.shape != x.shape or dx.dtype != x.dtype or dx.device != x.device):
+        raise ValueError(f"dx must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(dx.shape)} {dx.dtype} on "
+                         f"{dx.device}")  # fmt: skip
     batch_size, seq_len, num_channels = x.shape
     default_t, default_e, default_warps = _pick_blocks(num_channels, seq_len, 16, 128, per_thread=16)
     block_t, block_e = block_t or default_t, block_e or default_e
@@ -173,6 +179,7 @@ def causal_conv1d_bwd(
         block_e=block_e,
         num_warps=num_warps or default_warps,
         seq_idx=seq_idx,
+        dx=dx,
     )
 
 

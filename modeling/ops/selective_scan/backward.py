@@ -92,10 +92,10 @@ def _recompute_states(
 def _selective_scan_bwd_kernel(
     p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_dt_bias, p_dy,  # the op's tensors, dy
     p_h0, p_dhT, p_dh0, p_chunk_h, p_chunk_dh, p_seg_h, p_scratch,  # states, chunk buffers, checkpoints
-    p_du, p_ddt, p_dz, p_dB_part, p_dC_part, p_dA_part, p_dD_part,  # gradients
+    p_du, p_ddt, p_dz, p_dB_part, p_dC_part, p_dA_part, p_dD_part, p_d_dt_bias_part,  # gradients
     p_seq_idx,
     T, E, N, num_chunks,
-    s_u_b, s_u_t, s_dt_b, s_dt_t, s_z_b, s_z_t, s_BC_b, s_BC_t, s_dy_b, s_dy_t,
+    s_u_b, s_u_t, s_dt_b, s_dt_t, s_z_b, s_z_t, s_BC_b, s_BC_t, s_dy_b, s_dy_t, s_dz_b, s_dz_t,
     STAGE: tl.constexpr, CHUNKED: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
     SEG_H_SAVED: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     CHUNK: tl.constexpr, SEG: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
@@ -106,12 +106,13 @@ def _selective_scan_bwd_kernel(
     STAGE 1: all gradients; the right-edge adjoint is `p_chunk_dh` after the combine when CHUNKED, else dL/dh_T;
     the segment checkpoints come from the forward (`p_seg_h` [B, cdiv(T, SEG), E, N]) when SEG_H_SAVED, else from
     a recompute pass over the chunk into the scratch.
-    Gradient buffers are contiguous: du, ddt, dz [B, T, E]; dB/dC partials [E / BLOCK_E, B, T, N]; dA partials
-    [B, num_chunks, E, N]; dD partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED).
+    Gradient buffers are contiguous but dz: du, ddt [B, T, E]; dz [B, T, E] at strides s_dz_b, s_dz_t (a column
+    range of the caller's wider gradient); dB/dC partials [E / BLOCK_E, B, T, N]; dA partials [B, num_chunks, E, N];
+    dD and dt_bias partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED).
     HAS_SEQ_IDX: `p_seq_idx` [B, T] int32 or int64; a_t = 0 where a sequence starts (t > 0, seq_idx[t] !=
     seq_idx[t - 1]), as in the forward, so nothing of the adjoint crosses back into the previous sequence.
     HAS_DT_BIAS / DT_SOFTPLUS: the step is `_dt_step` of dt, as in the forward, and ddt is the gradient of the dt
-    argument (through the softplus)."""
+    argument (through the softplus), and so, summed over the chunk's tokens in fp32, dt_bias's partial."""
     i_b, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t_start = i_c * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
@@ -197,6 +198,7 @@ def _selective_scan_bwd_kernel(
             b_P = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
         b_dA = tl.zeros([BLOCK_E, BLOCK_N], dtype=tl.float32)
         b_dD = tl.zeros([BLOCK_E], dtype=tl.float32)
+        b_d_dt_bias = tl.zeros([BLOCK_E], dtype=tl.float32)
         for jj in range(segs_in_chunk):
             j = segs_in_chunk - 1 - jj
             seg_start = t_start + j * SEG
@@ -254,12 +256,14 @@ def _selective_scan_bwd_kernel(
                 b_dCt = tl.sum(b_h * b_dpre[:, None], axis=0)
                 b_dA += b_G * b_ah * b_step[:, None]
                 b_dD += b_dpre * b_u
+                b_d_dt_bias += b_ddt
                 b_P = b_a * b_G
 
                 o_tok = (i_b * T + t).to(tl.int64) * E + o_e
                 tl.store(p_du + o_tok, b_du.to(p_du.dtype.element_ty), mask=m_e)
                 tl.store(p_ddt + o_tok, b_ddt.to(p_ddt.dtype.element_ty), mask=m_e)
-                tl.store(p_dz + o_tok, b_dz.to(p_dz.dtype.element_ty), mask=m_e)
+                p_dz_t = p_dz + i_b * s_dz_b + t.to(tl.int64) * s_dz_t
+                tl.store(p_dz_t + o_e, b_dz.to(p_dz.dtype.element_ty), mask=m_e)
                 o_part = ((i_e * tl.num_programs(0) + i_b) * T + t).to(tl.int64) * N + o_n
                 tl.store(p_dB_part + o_part, b_dBt, mask=m_n)
                 tl.store(p_dC_part + o_part, b_dCt, mask=m_n)
@@ -268,6 +272,8 @@ def _selective_scan_bwd_kernel(
 
         tl.store(p_dA_part + o_chunk_h, b_dA, mask=m_en)
         tl.store(p_dD_part + o_chunk * E + o_e, b_dD, mask=m_e)
+        if HAS_DT_BIAS:
+            tl.store(p_d_dt_bias_part + o_chunk * E + o_e, b_d_dt_bias, mask=m_e)
         if not CHUNKED and HAS_H0:
             tl.store(p_dh0 + o_state, b_P, mask=m_en)
 
@@ -278,12 +284,15 @@ def launch_selective_scan_bwd(
     chunk_h: Tensor | None, chunk_dtsum: Tensor | None, seg_states: Tensor | None,
     *,
     blocks: "ScanBlocks", dt_bias: Tensor | None = None, dt_softplus: bool = False, seq_idx: Tensor | None = None,
+    dz: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
     """The backward's launches (training layout [B, T, E], B and C sharing their strides); chunk_dtsum as
     `launch_selective_scan_fwd` returned it (None: one chunk per row), seg_states as it filled them, or None and the
     chunk start states chunk_h it returned, from which the backward recomputes them (chunk_h is not read otherwise),
-    dt_bias / dt_softplus / seq_idx as the forward got them. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state,
-    d_dt_bias) in the dtypes of the inputs (None for an absent initial state or dt_bias)."""
+    dt_bias / dt_softplus / seq_idx as the forward got them; dz: where to write z's gradient ([B, T, E] in z's
+    dtype, channels contiguous: e.g. a column range of the caller's gradient of a wider input), or None for a new
+    tensor. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the dtypes of the inputs (None for
+    an absent initial state or dt_bias)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = next_power_of_2(state_size)
@@ -292,11 +301,13 @@ def launch_selective_scan_bwd(
     chunked = chunk_dtsum is not None
     du = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
     ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)
-    dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
+    if dz is None:
+        dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
     dB_part = u.new_empty(num_eblocks, batch_size, seq_len, state_size, dtype=torch.float32)
     dC_part = torch.empty_like(dB_part)
     dA_part = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32)
     dD_part = u.new_empty(batch_size, num_chunks, num_channels, dtype=torch.float32)
+    d_dt_bias_part = torch.empty_like(dD_part) if dt_bias is not None else None
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_dh = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32) if chunked else None
     grid = (batch_size, num_eblocks, num_chunks)
@@ -332,8 +343,10 @@ def launch_selective_scan_bwd(
         "p_dC_part": dC_part,
         "p_dA_part": dA_part,
         "p_dD_part": dD_part,
+        "p_d_dt_bias_part": d_dt_bias_part,
         "p_seq_idx": seq_idx,
         **token_strides("dy", dy),
+        **token_strides("dz", dz),
         "CHUNKED": chunked,
         "HAS_H0": initial_state is not None,
         "HAS_DHT": d_final_state is not None,
@@ -371,5 +384,5 @@ def launch_selective_scan_bwd(
     dC = dC_part.sum(0).to(C.dtype)
     dA = dA_part.sum((0, 1)).to(A.dtype)  # [E, N]: over batch and chunks
     dD = dD_part.sum((0, 1)).to(D.dtype)
-    d_dt_bias = ddt.sum((0, 1), dtype=torch.float32).to(dt_bias.dtype) if dt_bias is not None else None
+    d_dt_bias = d_dt_bias_part.sum((0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
     return du, ddt, dA, dB, dC, dD, dz, d_initial, d_dt_bias

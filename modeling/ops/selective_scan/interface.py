@@ -148,10 +148,11 @@ def selective_scan_fwd(
 
 def selective_scan_bwd(
     u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks,
-    residuals: ScanResiduals, dy: torch.Tensor, d_final_state: torch.Tensor | None,
+    residuals: ScanResiduals, dy: torch.Tensor, d_final_state: torch.Tensor | None, dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
     """The training backward: (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the inputs' dtypes (None
-    for an absent initial state or dt_bias), from the forward's inputs and residuals and the outputs' gradients."""
+    for an absent initial state or dt_bias), from the forward's inputs and residuals and the outputs' gradients.
+    dz: where to write z's gradient (`launch_selective_scan_bwd`), or None for a new tensor."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     if d_final_state is not None:
@@ -172,6 +173,7 @@ def selective_scan_bwd(
         dt_bias=dt_bias,
         dt_softplus=dt_softplus,
         seq_idx=seq_idx,
+        dz=dz,
     )
 
 
