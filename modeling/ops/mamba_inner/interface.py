@@ -78,12 +78,14 @@ class MambaInnerFunction(torch.autograd.Function):
         dt_rank, state_size = dt_proj_weight.shape[1], A.shape[1]
         dt_low, B, C = x_dbl.split([dt_rank, state_size, state_size], dim=-1)
         z = xz[..., num_channels:]
-        # xz's gradient is written in place: z's half by the scan, xs's by the conv
-        dxz = torch.empty_like(xz, memory_format=torch.contiguous_format)
-        dxs, dz = dxz[..., :num_channels], dxz[..., num_channels:]
-        du, ddt, dA, dB, dC, dD, _, _, d_dt_bias = selective_scan_bwd(
+        # xz's gradient: in eager, each half written in place (z's by the scan, xs's by the conv); under torch.compile
+        # each kernel writes a buffer of its own and they are concatenated, since functionalizing a launch that writes
+        # into a view clones the view and copies it back (two passes where the concatenation is one).
+        in_place = not torch.compiler.is_compiling()
+        dxz = torch.empty_like(xz, memory_format=torch.contiguous_format) if in_place else None
+        du, ddt, dA, dB, dC, dD, dz, _, d_dt_bias = selective_scan_bwd(
             u, dt, A, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks,
-            ScanResiduals(chunk_h, chunk_dtsum, seg_states), dy, None, dz,
+            ScanResiduals(chunk_h, chunk_dtsum, seg_states), dy, None, dxz[..., num_channels:] if in_place else None,
         )  # fmt: skip
 
         # dt = dt_low @ W_dt^T and x_dbl = u @ W_x^T; du gathers the scan's and x_proj's gradients in place.
@@ -96,11 +98,19 @@ class MambaInnerFunction(torch.autograd.Function):
             d_x_proj_weight = d_x_dbl.view(-1, d_x_dbl.shape[-1]).t() @ u.view(-1, num_channels)
 
         xs = _conv_input(xz, padding_mask)
-        _, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
-            xs, conv_weight[:, 0], conv_bias, du, "silu", seq_idx=seq_idx, dx=dxs
+        dxs, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
+            xs,
+            conv_weight[:, 0],
+            conv_bias,
+            du,
+            "silu",
+            seq_idx=seq_idx,
+            dx=dxz[..., :num_channels] if in_place else None,
         )
         if padding_mask is not None:
             dxs.mul_(padding_mask[..., None].to(dxs.dtype))
+        if not in_place:
+            dxz = torch.cat([dxs, dz], dim=-1)
         dA_log = dA * A  # A = -exp(A_log)
         return (
             dxz, d_conv_weight[:, None], d_conv_bias, d_x_proj_weight, d_dt_proj_weight, d_dt_bias, dA_log, dD,
