@@ -13,7 +13,7 @@ The serving functions take the cache after the op's own tensors and before the b
 
 import torch
 
-from ..triton_utils import cdiv, check_flags, check_index, launch_power_of_2
+from ..triton_utils import cdiv, check_flags, check_index, launch_power_of_2, next_power_of_2
 from .backward import launch_causal_conv1d_bwd
 from .forward import launch_causal_conv1d_fwd, launch_causal_conv1d_update, launch_varlen_conv_state
 from .reference import check_activation
@@ -160,7 +160,10 @@ def causal_conv1d_bwd(
                          f"{dx.device}")  # fmt: skip
     batch_size, seq_len, num_channels = x.shape
     default_t, default_e, default_warps = _pick_blocks(num_channels, seq_len, 16, 128, per_thread=16)
-    block_t, block_e = block_t or default_t, block_e or default_e
+    block_t, block_e = block_t or max(default_t, next_power_of_2(weight.shape[1] - 1)), block_e or default_e
+    if activation == "silu" and block_t < weight.shape[1] - 1:
+        raise ValueError(f"block_t ({block_t}) must be at least K - 1 = {weight.shape[1] - 1} with silu (a row "
+                         "block's g is read back with the K - 1 rows after it)")  # fmt: skip
     if rows_per_program is None:
         num_e_blocks = cdiv(num_channels, block_e)
         num_row_ranges = max(1, min(cdiv(seq_len, block_t), cdiv(1024, batch_size * num_e_blocks)))
