@@ -206,7 +206,8 @@ def test_under_torch_compile_every_gradient_is_the_references(inner, monkeypatch
     def conv_fwd(x, weight, bias, activation, seq_idx=None):  # token-major, as the kernel writes it
         return causal_conv1d_ref(x, weight, bias, activation, seq_idx=seq_idx).contiguous()
 
-    def conv_bwd(x, weight, bias, dy, activation, seq_idx=None):
+    def conv_bwd(x, weight, bias, dy, activation, seq_idx=None, dx=None):
+        assert dx is None, "under torch.compile the conv's gradient is a buffer of its own, not a view of zxbcdt's"
         _, vjp = torch.func.vjp(lambda *a: causal_conv1d_ref(*a, activation, seq_idx=seq_idx), x, weight, bias)
         return vjp(dy)
 

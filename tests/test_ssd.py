@@ -395,6 +395,15 @@ def test_the_norm_kernels_match_the_reference_and_write_every_output(monkeypatch
     written_out = gated_rms_norm_bwd(y, z, weight, group_size, 1e-5, dout)
     for name, a, b in zip(("dy", "dz", "dweight"), written_out, got[1:], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    # dz written into a given column range of a wider (poisoned) gradient, as the fused branch's backward passes it:
+    # every element of the range, nothing outside it
+    wider = torch.full((3, 11, channels + 7), float("nan"), dtype=dtype, device=DEVICE)
+    given = gated_rms_norm_bwd(y, z, weight, group_size, 1e-5, dout, wider[..., 3 : 3 + channels])
+    assert given[1].data_ptr() == wider[..., 3:].data_ptr()
+    torch.testing.assert_close(given[1], got[2], atol=0, rtol=0)
+    assert wider[..., :3].isnan().all() and wider[..., 3 + channels :].isnan().all()
+    with pytest.raises(ValueError, match="dz must be"):
+        gated_rms_norm_bwd(y, z, weight, group_size, 1e-5, dout, wider[..., :channels].transpose(0, 1))
     # A weight viewed with a stride (the kernels index it by channel) and the refused double backward.
     strided = torch.stack([weight, weight.neg()], -1)[:, 0]
     torch.testing.assert_close(gated_rms_norm(y, z, strided, group_size, 1e-5), got[0], atol=0, rtol=0)

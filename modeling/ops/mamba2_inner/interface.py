@@ -61,8 +61,17 @@ class Mamba2InnerFunction(torch.autograd.Function):
             y,
         ) = ctx.saved_tensors  # fmt: skip
         intermediate_size, num_heads = norm_weight.shape[0], A.shape[0]
-        z, xBC, dt_in = zxbcdt.split([intermediate_size, conv_weight.shape[0], num_heads], dim=-1)
-        dy, dz, d_norm_weight = gated_rms_norm_bwd(y, z, norm_weight, intermediate_size // ctx.n_groups, ctx.eps, dout)
+        widths = [intermediate_size, conv_weight.shape[0], num_heads]
+        z, xBC, dt_in = zxbcdt.split(widths, dim=-1)
+        # zxbcdt's gradient: in eager, z's and xBC's parts written in place by the norm's and the conv's kernels;
+        # under torch.compile each a buffer of its own, concatenated (functionalizing a launch that writes into a view
+        # clones the view and copies it back: two passes where the concatenation is one)
+        in_place = not torch.compiler.is_compiling()
+        d_zxbcdt = torch.empty_like(zxbcdt, memory_format=torch.contiguous_format) if in_place else None
+        dz_out, d_xBC_out, ddt_out = d_zxbcdt.split(widths, dim=-1) if in_place else (None, None, None)
+        dy, dz, d_norm_weight = gated_rms_norm_bwd(
+            y, z, norm_weight, intermediate_size // ctx.n_groups, ctx.eps, dout, dz_out
+        )
 
         x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, ctx.n_groups)
         dx, ddt, dA, dB, dC, dD, _ = ssd_chunk_scan_bwd(
@@ -74,11 +83,15 @@ class Mamba2InnerFunction(torch.autograd.Function):
             ddt = ddt * padding_mask[..., None].to(ddt.dtype)
         d_xBC_conv = torch.cat([dx.flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
         d_xBC, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
-            zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx
-        )
+            zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx,
+            dx=d_xBC_out,
+        )  # fmt: skip
         if padding_mask is not None:
-            d_xBC = d_xBC * padding_mask[..., None].to(d_xBC.dtype)
-        d_zxbcdt = torch.cat([dz, d_xBC, ddt.to(zxbcdt.dtype)], dim=-1)
+            d_xBC.mul_(padding_mask[..., None].to(d_xBC.dtype))
+        if in_place:
+            ddt_out.copy_(ddt)
+        else:
+            d_zxbcdt = torch.cat([dz, d_xBC, ddt.to(zxbcdt.dtype)], dim=-1)
         dA_log = (dA * A).to(ctx.A_log_dtype)  # A = -exp(A_log)
         return (
             d_zxbcdt, d_conv_weight[:, None], d_conv_bias, ddt.sum((0, 1)).to(dt_bias.dtype), dA_log,

@@ -125,10 +125,18 @@ def launch_gated_rms_norm_fwd(
 
 
 def gated_rms_norm_bwd(
-    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, dout: torch.Tensor
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    eps: float,
+    dout: torch.Tensor,
+    dz: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`gated_rms_norm_bwd_ref` on the backward kernel (the reference inside a caller Dynamo compiles): (dy in y's
-    dtype, dz in z's, dweight [E] in weight's)."""
+    dtype, dz in z's, dweight [E] in weight's). dz: where to write z's gradient (z's shape and dtype, its tokens
+    viewable as rows of contiguous channels: e.g. a column range of the gradient of in_proj's output), or None for a
+    new tensor; not under torch.compile, where the reference computes a new one."""
     if torch.compiler.is_compiling():
         return gated_rms_norm_bwd_ref(y, z, weight, group_size, eps, dout)
     _check(y, z, weight, group_size)
@@ -137,7 +145,12 @@ def gated_rms_norm_bwd(
     y_rows, z_rows, dout_rows, weight = _rows(y), _rows(z), _rows(dout), weight.contiguous()
     num_rows, channels = y_rows.shape
     dy = torch.empty(y_rows.shape, dtype=y.dtype, device=y.device)
-    dz = torch.empty(z_rows.shape, dtype=z.dtype, device=z.device)
+    if dz is None:
+        dz = torch.empty(z_rows.shape, dtype=z.dtype, device=z.device)
+    elif dz.shape != z.shape or dz.dtype != z.dtype or dz.stride(-1) != 1:
+        raise ValueError(f"gated_rms_norm_bwd: dz must be {tuple(z.shape)} {z.dtype} with contiguous channels, got "
+                         f"{tuple(dz.shape)} {dz.dtype} with strides {dz.stride()}")  # fmt: skip
+    dz_rows = dz.view(num_rows, channels)  # a view, so that the kernel writes into dz itself
     # Enough blocks of tokens to fill the GPU with the groups' programs, each summing its tokens' weight gradients.
     blocks = max(1, min(num_rows, 4 * num_sms(y.device)))
     rows_per_program = cdiv(num_rows, blocks)
@@ -148,11 +161,11 @@ def gated_rms_norm_bwd(
         dweight_parts.zero_()
     else:
         _gated_rms_norm_bwd_kernel[(blocks, channels // group_size)](
-            y_rows, z_rows, weight, dout_rows, dy, dz, dweight_parts, y_rows.stride(0), z_rows.stride(0),
-            dout_rows.stride(0), dy.stride(0), dz.stride(0), num_rows, rows_per_program, channels, group_size, eps,
-            BLOCK=block, num_warps=_num_warps(block),
+            y_rows, z_rows, weight, dout_rows, dy, dz_rows, dweight_parts, y_rows.stride(0), z_rows.stride(0),
+            dout_rows.stride(0), dy.stride(0), dz_rows.stride(0), num_rows, rows_per_program, channels, group_size,
+            eps, BLOCK=block, num_warps=_num_warps(block),
         )  # fmt: skip
-    return dy.view(y.shape), dz.view(z.shape), dweight_parts.sum(0).to(weight.dtype)
+    return dy.view(y.shape), dz_rows.view(z.shape), dweight_parts.sum(0).to(weight.dtype)
 
 
 class GatedRMSNormFunction(torch.autograd.Function):
