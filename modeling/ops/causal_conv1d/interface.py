@@ -23,8 +23,8 @@ def _pick_blocks(num_channels: int, num_rows: int, max_block_t: int, max_block_e
     """(BLOCK_T, BLOCK_E, num_warps) for a [BLOCK_T, BLOCK_E] tile with about `per_thread` elements per thread.
 
     128 channels (256 B of bf16) per tile row. 4 warps per tile beat 8 and 16 in the H200 sweep (`bench_kernels.py
-    --only sweep`, BENCHMARKS.md), so the forward takes 32 elements per thread and the backward, which holds 2K-1 x
-    tiles and K dy tiles at once, 16."""
+    --only sweep`, BENCHMARKS.md), so the forward takes 32 elements per thread and the backward, which holds pre's K
+    x tiles, g and dx at once, 16."""
     block_e = launch_power_of_2(num_channels, cap=max_block_e)
     block_t = launch_power_of_2(num_rows, cap=max_block_t)  # an int even where num_rows is a SymInt (dynamic shapes)
     num_warps = max(1, min(16, block_t * block_e // (32 * per_thread)))
