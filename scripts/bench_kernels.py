@@ -987,7 +987,7 @@ def bench_sweeps(args) -> list[Row]:
     xz = randn(batch, seq_len, 2 * channels)
     x, weight, bias = xz[..., :channels], randn(channels, 4, scale=0.5), randn(channels)
     conv_fwd_grid = {"block_t": [16, 64], "block_e": [64, 256], "num_warps": [4, 16]}
-    conv_bwd_grid = {"block_t": [8, 32], "block_e": [64, 256], "num_warps": [4, 8], "rows_per_program": [256, 4096]}
+    conv_bwd_grid = {"block_t": [4, 16], "block_e": [32, 128], "num_warps": [2, 4], "rows_per_program": [64, 1024]}
     rows += sweep(
         "sweep conv fwd", shape, lambda **k: causal_conv1d_fwd(x, weight, bias, "silu", **k),
         one_knob_at_a_time(conv_fwd_grid),
