@@ -197,6 +197,10 @@ def test_training_backward_writes_dz_into_a_given_view(scan):
     for name, actual, fresh in zip(("du", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0", "d_dt_bias"), given, expected):
         torch.testing.assert_close(actual, fresh, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
     assert wider[..., :24].isnan().all()
+    with pytest.raises(ValueError, match="dz must be"):
+        scan.selective_scan_bwd(
+            u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider.transpose(1, 2)[:, :24]
+        )
 
 
 PACKED_CASES = [  # as TRAIN_CASES, then row 0's sequence starts and seq_idx's dtype; with chunk 8, row 0 has a

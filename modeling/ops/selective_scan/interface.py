@@ -155,6 +155,9 @@ def selective_scan_bwd(
     dz: where to write z's gradient (`launch_selective_scan_bwd`), or None for a new tensor."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
+    if dz is not None and (dz.shape != z.shape or dz.dtype != z.dtype or dz.stride(-1) != 1):
+        raise ValueError(f"dz must be {tuple(z.shape)} {z.dtype} with contiguous channels, got {tuple(dz.shape)} "
+                         f"{dz.dtype} with strides {dz.stride()}")  # fmt: skip
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     return launch_selective_scan_bwd(
