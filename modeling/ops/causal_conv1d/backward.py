@@ -141,17 +141,15 @@ def launch_causal_conv1d_bwd(
     x: Tensor, weight: Tensor, bias: Tensor | None, history: Tensor | None, dy: Tensor,
     *,
     activation: str | None, rows_per_program: int, block_t: int, block_e: int, num_warps: int,
-    seq_idx: Tensor | None = None, dx: Tensor | None = None,
+    dx: Tensor, seq_idx: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """(dx [B, T, E] in x.dtype, dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None) of x [B, T, E];
-    dx written where given (any strides: e.g. a column range of the caller's gradient of a wider input), else into
-    a new contiguous tensor. Each program writes fp32 partial sums of dweight and dbias for its (batch row, range of
-    `rows_per_program` rows, channel block), summed here."""
+    """(dx, dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None) of x [B, T, E]; dx [B, T, E] in
+    x.dtype, any strides (e.g. a column range of the caller's gradient of a wider input), written here. Each program
+    writes fp32 partial sums of dweight and dbias for its (batch row, range of `rows_per_program` rows, channel
+    block), summed here."""
     batch_size, seq_len, num_channels = x.shape
     width = weight.shape[1]
     num_row_ranges = cdiv(seq_len, rows_per_program) if seq_len else 0
-    if dx is None:
-        dx = torch.empty((batch_size, seq_len, num_channels), dtype=x.dtype, device=x.device)
     # every (batch row, row range) row of the partials is written by the programs of its channel blocks
     dw_partial = x.new_empty((batch_size * num_row_ranges, width, num_channels), dtype=torch.float32)
     dbias_partial = (

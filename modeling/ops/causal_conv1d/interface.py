@@ -71,11 +71,13 @@ def _check_conv_state(conv_state: torch.Tensor, num_channels: int, width: int) -
         )
 
 
-def _check_out(out: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def _check_out(out: torch.Tensor | None, x: torch.Tensor, name: str = "out") -> torch.Tensor:
+    """An output of x's shape, dtype and device (any strides): `out` checked, or a new contiguous one if None."""
     if out is None:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"{name} must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(out.shape)} "
+                         f"{out.dtype} on {out.device}")  # fmt: skip
     return out
 
 
@@ -103,10 +105,7 @@ def causal_conv1d_fwd(
     check_activation(activation)
     _check_training_inputs(x, weight, bias, initial_history, seq_idx)
     batch_size, seq_len, num_channels = x.shape
-    if out is None:
-        out = torch.empty((batch_size, seq_len, num_channels), dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype:
-        raise ValueError(f"out must be {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    out = _check_out(out, x)
     if x.numel() == 0:
         return out
     if initial_history is None:
@@ -157,9 +156,7 @@ def causal_conv1d_bwd(
     _check_training_inputs(x, weight, bias, initial_history, seq_idx)
     if dy.shape != x.shape:
         raise ValueError(f"dy must be {tuple(x.shape)}, got {tuple(dy.shape)}")
-    if dx is not None and (dx.shape != x.shape or dx.dtype != x.dtype or dx.device != x.device):
-        raise ValueError(f"dx must be {tuple(x.shape)} {x.dtype} on {x.device}, got {tuple(dx.shape)} {dx.dtype} on "
-                         f"{dx.device}")  # fmt: skip
+    dx = _check_out(dx, x, "dx")
     batch_size, seq_len, num_channels = x.shape
     default_t, default_e, default_warps = _pick_blocks(num_channels, seq_len, 8, 64, per_thread=16)
     block_t, block_e = block_t or max(default_t, next_power_of_2(weight.shape[1] - 1)), block_e or default_e
