@@ -176,10 +176,11 @@ def test_training_forward_backward(
     )
 
 
-def test_training_backward_writes_dz_into_a_given_view(scan):
-    """dz given as a column range of a wider gradient (the branch's xz gradient, whose other half the conv writes):
-    every output of a backward with a fresh dz, bit for bit, every element of the range written, nothing outside it
-    touched (the backward's other outputs are checked against the reference above)."""
+def test_training_backward_writes_dz_and_dBC_into_given_views(scan):
+    """dz and dBC given as column ranges of wider gradients (the branch's xz gradient, whose other half the conv
+    writes; x_proj's output gradient [d dt_low, dB, dC], whose first columns a GEMM writes): every output of a
+    backward with fresh ones, bit for bit, every element of the ranges written, nothing outside them touched (the
+    backward's other outputs are checked against the reference above)."""
     inputs = random_training_inputs(2, 21, 24, 8, torch.float32, seed=4)
     inputs["dt_bias"] = torch.rand(24, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     u, dt, A, B, C, D, z, h0, dt_bias = (
@@ -190,17 +191,22 @@ def test_training_backward_writes_dz_into_a_given_view(scan):
     dy = torch.randn(2, 21, 24, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     expected = scan.selective_scan_bwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None)
     wider = torch.full((2, 21, 48), float("nan"), device=DEVICE)  # poisoned
+    wider_BC = torch.full((2, 21, 5 + 16), float("nan"), device=DEVICE)  # 5 columns of d dt_low, then dB and dC
     given = scan.selective_scan_bwd(
-        u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider[..., 24:]
+        u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider[..., 24:], wider_BC[..., 5:]
     )
     assert given[6].data_ptr() == wider[..., 24:].data_ptr()
+    assert (given[3].data_ptr(), given[4].data_ptr()) == (wider_BC[..., 5:].data_ptr(), wider_BC[..., 13:].data_ptr())
     for name, actual, fresh in zip(("du", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0", "d_dt_bias"), given, expected):
         torch.testing.assert_close(actual, fresh, atol=0, rtol=0, msg=lambda m: f"{name}: {m}")
-    assert wider[..., :24].isnan().all()
+    assert wider[..., :24].isnan().all() and wider_BC[..., :5].isnan().all()
     with pytest.raises(ValueError, match="dz must be"):
         scan.selective_scan_bwd(
             u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider.transpose(1, 2)[:, :24]
         )
+    with pytest.raises(ValueError, match="dBC must be"):
+        scan.selective_scan_bwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, None,
+                                wider_BC[..., 6:])  # fmt: skip
 
 
 PACKED_CASES = [  # as TRAIN_CASES, then row 0's sequence starts and seq_idx's dtype; with chunk 8, row 0 has a

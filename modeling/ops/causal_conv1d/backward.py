@@ -34,7 +34,7 @@ def _grad_rows(
 @triton.jit
 def _causal_conv1d_bwd_kernel(
     p_x, p_w, p_bias, p_hist, p_dy,  # the op's tensors, dy
-    p_dx, p_dw, p_dbias, p_seq_idx, p_ring,  # gradients (dweight, dbias: partial sums), packed rows, g's ring
+    p_dx, p_partial, p_seq_idx, p_ring,  # gradients (dx; dweight and dbias as partial sums), packed rows, g's ring
     T, E, rows_per_program,
     s_x_b, s_x_t, s_x_e, s_w_e, s_w_k, s_h_b, s_h_e, s_h_k, s_dy_b, s_dy_t, s_dy_e, s_dx_b, s_dx_t, s_dx_e,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_HALO: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -43,8 +43,8 @@ def _causal_conv1d_bwd_kernel(
 ):  # fmt: skip
     """Gradients of `causal_conv1d_ref` in x, weight and bias (not in the history). Program (i_c, i_e, i_b) owns rows
     i_c*rows_per_program.. (a multiple of BLOCK_T) of batch row i_b: it writes dx there, and its partial sums of
-    dweight [BLOCK_K, BLOCK_E] and dbias [BLOCK_E] into row i_b * num_programs(0) + i_c of p_dw [P, K, E] /
-    p_dbias [P, E].
+    dweight [BLOCK_K, BLOCK_E] and (HAS_BIAS) dbias [BLOCK_E] into row i_b * num_programs(0) + i_c of p_partial
+    [P, K + HAS_BIAS, E] (dbias the last of each row's K + 1), so that one reduction sums both.
 
     With g_t = dy_t * act'(pre_t):  dx_t = sum_i weight[K-1-i] * g_{t+i},  dweight[k] = sum_t g_t * x_{t-K+1+k},
     dbias = sum_t g_t. dx_t reads g of the next K-1 rows, and a register tile's rows cannot be shifted: with silu,
@@ -130,11 +130,10 @@ def _causal_conv1d_bwd_kernel(
             )  # fmt: skip
             b_dw += tl.where(o_k[:, None] == k, tl.sum(b_g * b_in, axis=0)[None, :], 0.0)
 
-    i_partial = (i_b * tl.num_programs(0) + i_c).to(tl.int64)
-    p_dw_out = p_dw + i_partial * K * E + o_k[:, None] * E + o_e[None, :]
-    tl.store(p_dw_out, b_dw, mask=(o_k < K)[:, None] & m_e[None, :])
+    p_partial += (i_b * tl.num_programs(0) + i_c).to(tl.int64) * (K + HAS_BIAS) * E
+    tl.store(p_partial + o_k[:, None] * E + o_e[None, :], b_dw, mask=(o_k < K)[:, None] & m_e[None, :])
     if HAS_BIAS:
-        tl.store(p_dbias + i_partial * E + o_e, b_dbias, mask=m_e)
+        tl.store(p_partial + K * E + o_e, b_dbias, mask=m_e)
 
 
 def launch_causal_conv1d_bwd(
@@ -146,15 +145,13 @@ def launch_causal_conv1d_bwd(
     """(dx, dweight [E, K] in weight.dtype, dbias [E] in bias.dtype or None) of x [B, T, E]; dx [B, T, E] in
     x.dtype, any strides (e.g. a column range of the caller's gradient of a wider input), written here. Each program
     writes fp32 partial sums of dweight and dbias for its (batch row, range of `rows_per_program` rows, channel
-    block), summed here."""
+    block) into one buffer, summed here by one reduction."""
     batch_size, seq_len, num_channels = x.shape
     width = weight.shape[1]
     num_row_ranges = cdiv(seq_len, rows_per_program) if seq_len else 0
-    # every (batch row, row range) row of the partials is written by the programs of its channel blocks
-    dw_partial = x.new_empty((batch_size * num_row_ranges, width, num_channels), dtype=torch.float32)
-    dbias_partial = (
-        x.new_empty((batch_size * num_row_ranges, num_channels), dtype=torch.float32) if bias is not None else None
-    )
+    # every (batch row, row range) row of the partials is written by the programs of its channel blocks: dweight's
+    # K rows, then dbias's
+    partial = x.new_empty((batch_size * num_row_ranges, width + (bias is not None), num_channels), dtype=torch.float32)
     if x.numel() > 0:
         grid = (num_row_ranges, cdiv(num_channels, block_e), batch_size)
         ring = None  # each program's ring of g tiles (silu): [2 * block_t, block_e] fp32
@@ -164,8 +161,7 @@ def launch_causal_conv1d_bwd(
             **conv_args(x, weight, bias, history, seq_idx, activation),
             p_dy=dy,
             p_dx=dx,
-            p_dw=dw_partial,
-            p_dbias=dbias_partial,
+            p_partial=partial,
             p_ring=ring,
             T=seq_len,
             E=num_channels,
@@ -178,6 +174,7 @@ def launch_causal_conv1d_bwd(
             BLOCK_E=block_e,
             num_warps=num_warps,
         )
-    dweight = dw_partial.sum(0).t().to(weight.dtype)  # [K, E] -> [E, K]
-    dbias = dbias_partial.sum(0).to(bias.dtype) if bias is not None else None
+    sums = partial.sum(0)  # [K (+ 1), E]
+    dweight = sums[:width].t().to(weight.dtype)  # [K, E] -> [E, K]
+    dbias = sums[width].to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias

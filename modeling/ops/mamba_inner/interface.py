@@ -78,18 +78,24 @@ class MambaInnerFunction(torch.autograd.Function):
         dt_rank, state_size = dt_proj_weight.shape[1], A.shape[1]
         dt_low, B, C = x_dbl.split([dt_rank, state_size, state_size], dim=-1)
         z = xz[..., num_channels:]
-        # xz's gradient: in eager, each half written in place (z's by the scan, xs's by the conv); under torch.compile
-        # each kernel writes a buffer of its own and they are concatenated, since functionalizing a launch that writes
-        # into a view clones the view and copies it back (two passes where the concatenation is one).
+        # The gradients of xz and of x_dbl = [dt_low, B, C]: in eager, each part written in place (z's by the scan,
+        # xs's by the conv, [dB, dC] by the scan's reduction, dt_low's by its GEMM); under torch.compile each writes a
+        # buffer of its own and they are concatenated, since functionalizing a launch that writes into a view clones
+        # the view and copies it back (two passes where the concatenation is one).
         in_place = not torch.compiler.is_compiling()
         dxz = torch.empty_like(xz, memory_format=torch.contiguous_format) if in_place else None
+        d_x_dbl = torch.empty_like(x_dbl) if in_place else None
         du, ddt, dA, dB, dC, dD, dz, _, d_dt_bias = selective_scan_bwd(
             u, dt, A, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks,
-            ScanResiduals(chunk_h, chunk_dtsum, seg_states), dy, None, dxz[..., num_channels:] if in_place else None,
+            ScanResiduals(chunk_h, chunk_dtsum, seg_states), dy, None,
+            dxz[..., num_channels:] if in_place else None, d_x_dbl[..., dt_rank:] if in_place else None,
         )  # fmt: skip
 
         # dt = dt_low @ W_dt^T and x_dbl = u @ W_x^T; du gathers the scan's and x_proj's gradients in place.
-        d_x_dbl = torch.cat([ddt @ dt_proj_weight, dB, dC], dim=-1)
+        if in_place:
+            torch.mm(ddt.view(-1, num_channels), dt_proj_weight, out=d_x_dbl.view(-1, x_dbl.shape[-1])[:, :dt_rank])
+        else:
+            d_x_dbl = torch.cat([ddt @ dt_proj_weight, dB, dC], dim=-1)
         du.view(-1, num_channels).addmm_(d_x_dbl.view(-1, d_x_dbl.shape[-1]), x_proj_weight)
         d_dt_proj_weight = d_x_proj_weight = None
         if ctx.needs_input_grad[4]:

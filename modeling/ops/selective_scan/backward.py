@@ -12,11 +12,13 @@ same small scratch region for every segment, so it stays in L2. The final state'
 right edge. Packed rows (seq_idx): the adjoint P_t = a_t * G_t stops where a_t = 0, at every sequence start. Loads
 are prefetched one step ahead, as in the forward.
 
-dB and dC reduce over channels, which live in different programs: each program writes its partial sum over its
-BLOCK_E channels to a [E / BLOCK_E, B, T, N] fp32 buffer summed in torch afterwards: deterministic, unlike atomics,
-at the cost of E * N / BLOCK_E fp32 values per token each (half an fp32 [B, T, E] tensor's worth at the default
-BLOCK_E = 32, N = 16; a larger bwd_block_e shrinks it). dA and dD (sums over batch and time) are written per (batch
-row, chunk) program and summed likewise; d(dt_bias) is the sum of ddt over batch and time, in torch.
+dB and dC reduce over channels, which live in different programs: each program writes its partial sums over its
+BLOCK_E channels, dB's and dC's side by side, to one [E / BLOCK_E, B, T, 2N] fp32 buffer summed in torch afterwards
+by one reduction: deterministic, unlike atomics, at the cost of 2 E N / BLOCK_E fp32 values per token (an fp32
+[B, T, E] tensor's worth at the default BLOCK_E = 32, N = 16; a larger bwd_block_e shrinks it). Its sum [B, T, 2N]
+is laid out as the [dB, dC] columns of x_proj's output gradient, so the caller can have it written there. dA, dD
+and d(dt_bias) (sums over batch and time) are written per (batch row, chunk) program into one [B, num_chunks, E,
+N + 2] buffer and summed likewise.
 """
 
 from typing import TYPE_CHECKING
@@ -92,7 +94,7 @@ def _recompute_states(
 def _selective_scan_bwd_kernel(
     p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_dt_bias, p_dy,  # the op's tensors, dy
     p_h0, p_dhT, p_dh0, p_chunk_h, p_chunk_dh, p_seg_h, p_scratch,  # states, chunk buffers, checkpoints
-    p_du, p_ddt, p_dz, p_dB_part, p_dC_part, p_dA_part, p_dD_part, p_d_dt_bias_part,  # gradients
+    p_du, p_ddt, p_dz, p_dBC_part, p_param_part,  # gradients
     p_seq_idx,
     T, E, N, num_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_z_b, s_z_t, s_BC_b, s_BC_t, s_dy_b, s_dy_t, s_dz_b, s_dz_t,
@@ -107,8 +109,9 @@ def _selective_scan_bwd_kernel(
     the segment checkpoints come from the forward (`p_seg_h` [B, cdiv(T, SEG), E, N]) when SEG_H_SAVED, else from
     a recompute pass over the chunk into the scratch.
     Gradient buffers are contiguous but dz: du, ddt [B, T, E]; dz [B, T, E] at strides s_dz_b, s_dz_t (a column
-    range of the caller's wider gradient); dB/dC partials [E / BLOCK_E, B, T, N]; dA partials [B, num_chunks, E, N];
-    dD and dt_bias partials [B, num_chunks, E]; dh0 [B, E, N] (written here only when not CHUNKED).
+    range of the caller's wider gradient); dB and dC partials side by side [E / BLOCK_E, B, T, 2N]; dA, dD and
+    dt_bias partials side by side [B, num_chunks, E, N + 1 + HAS_DT_BIAS]; dh0 [B, E, N] (written here only when
+    not CHUNKED).
     HAS_SEQ_IDX: `p_seq_idx` [B, T] int32 or int64; a_t = 0 where a sequence starts (t > 0, seq_idx[t] !=
     seq_idx[t - 1]), as in the forward, so nothing of the adjoint crosses back into the previous sequence.
     HAS_DT_BIAS / DT_SOFTPLUS: the step is `_dt_step` of dt, as in the forward, and ddt is the gradient of the dt
@@ -264,16 +267,19 @@ def _selective_scan_bwd_kernel(
                 tl.store(p_ddt + o_tok, b_ddt.to(p_ddt.dtype.element_ty), mask=m_e)
                 p_dz_t = p_dz + i_b * s_dz_b + t.to(tl.int64) * s_dz_t
                 tl.store(p_dz_t + o_e, b_dz.to(p_dz.dtype.element_ty), mask=m_e)
-                o_part = ((i_e * tl.num_programs(0) + i_b) * T + t).to(tl.int64) * N + o_n
-                tl.store(p_dB_part + o_part, b_dBt, mask=m_n)
-                tl.store(p_dC_part + o_part, b_dCt, mask=m_n)
+                o_part = ((i_e * tl.num_programs(0) + i_b) * T + t).to(tl.int64) * 2 * N + o_n
+                tl.store(p_dBC_part + o_part, b_dBt, mask=m_n)
+                tl.store(p_dBC_part + o_part + N, b_dCt, mask=m_n)
                 b_h_prev, b_u, b_dt, b_z, b_dy = b_h_prev_next, b_u_next, b_dt_next, b_z_next, b_dy_next
                 b_Bt, b_Ct = b_Bt_next, b_Ct_next
 
-        tl.store(p_dA_part + o_chunk_h, b_dA, mask=m_en)
-        tl.store(p_dD_part + o_chunk * E + o_e, b_dD, mask=m_e)
+        # per channel: dA's N partials, then dD's, then dt_bias's
+        PARAM_COLS: tl.constexpr = 1 + HAS_DT_BIAS
+        p_param_e = p_param_part + (o_chunk * E + o_e) * (N + PARAM_COLS)
+        tl.store(p_param_e[:, None] + o_n[None, :], b_dA, mask=m_en)
+        tl.store(p_param_e + N, b_dD, mask=m_e)
         if HAS_DT_BIAS:
-            tl.store(p_d_dt_bias_part + o_chunk * E + o_e, b_d_dt_bias, mask=m_e)
+            tl.store(p_param_e + N + 1, b_d_dt_bias, mask=m_e)
         if not CHUNKED and HAS_H0:
             tl.store(p_dh0 + o_state, b_P, mask=m_en)
 
@@ -284,15 +290,17 @@ def launch_selective_scan_bwd(
     chunk_h: Tensor | None, chunk_dtsum: Tensor | None, seg_states: Tensor | None,
     *,
     blocks: "ScanBlocks", dt_bias: Tensor | None = None, dt_softplus: bool = False, seq_idx: Tensor | None = None,
-    dz: Tensor | None = None,
+    dz: Tensor | None = None, dBC: Tensor | None = None,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
     """The backward's launches (training layout [B, T, E], B and C sharing their strides); chunk_dtsum as
     `launch_selective_scan_fwd` returned it (None: one chunk per row), seg_states as it filled them, or None and the
     chunk start states chunk_h it returned, from which the backward recomputes them (chunk_h is not read otherwise),
     dt_bias / dt_softplus / seq_idx as the forward got them; dz: where to write z's gradient ([B, T, E] in z's
     dtype, channels contiguous: e.g. a column range of the caller's gradient of a wider input), or None for a new
-    tensor. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the dtypes of the inputs (None for
-    an absent initial state or dt_bias)."""
+    tensor; dBC: where to write dB and dC side by side ([B, T, 2N], e.g. the last 2N columns of x_proj's output
+    gradient), or None for a new tensor. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
+    dtypes of the inputs (None for an absent initial state or dt_bias); dB and dC are views of dBC (in its dtype when
+    given)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = next_power_of_2(state_size)
@@ -303,11 +311,9 @@ def launch_selective_scan_bwd(
     ddt = torch.empty(batch_size, seq_len, num_channels, dtype=dt.dtype, device=u.device)
     if dz is None:
         dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
-    dB_part = u.new_empty(num_eblocks, batch_size, seq_len, state_size, dtype=torch.float32)
-    dC_part = torch.empty_like(dB_part)
-    dA_part = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32)
-    dD_part = u.new_empty(batch_size, num_chunks, num_channels, dtype=torch.float32)
-    d_dt_bias_part = torch.empty_like(dD_part) if dt_bias is not None else None
+    dBC_part = u.new_empty(num_eblocks, batch_size, seq_len, 2 * state_size, dtype=torch.float32)
+    param_cols = state_size + 1 + (dt_bias is not None)  # dA's N, dD's, dt_bias's
+    param_part = u.new_empty(batch_size, num_chunks, num_channels, param_cols, dtype=torch.float32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_dh = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32) if chunked else None
     grid = (batch_size, num_eblocks, num_chunks)
@@ -339,11 +345,8 @@ def launch_selective_scan_bwd(
         "p_du": du,
         "p_ddt": ddt,
         "p_dz": dz,
-        "p_dB_part": dB_part,
-        "p_dC_part": dC_part,
-        "p_dA_part": dA_part,
-        "p_dD_part": dD_part,
-        "p_d_dt_bias_part": d_dt_bias_part,
+        "p_dBC_part": dBC_part,
+        "p_param_part": param_part,
         "p_seq_idx": seq_idx,
         **token_strides("dy", dy),
         **token_strides("dz", dz),
@@ -380,9 +383,14 @@ def launch_selective_scan_bwd(
             **shared,
         )
     _selective_scan_bwd_kernel[grid](**stage, **shared, STAGE=1)
-    dB = dB_part.sum(0).to(B.dtype)  # [B, T, N]: the reduction over channel blocks
-    dC = dC_part.sum(0).to(C.dtype)
-    dA = dA_part.sum((0, 1)).to(A.dtype)  # [E, N]: over batch and chunks
-    dD = dD_part.sum((0, 1)).to(D.dtype)
-    d_dt_bias = d_dt_bias_part.sum((0, 1)).to(dt_bias.dtype) if dt_bias is not None else None
+    dBC_sums = dBC_part.sum(0)  # [B, T, 2N]: the reduction over channel blocks
+    if dBC is None:
+        dBC = dBC_sums.to(B.dtype)
+    else:
+        dBC.copy_(dBC_sums)
+    dB, dC = dBC[..., :state_size], dBC[..., state_size:].to(C.dtype)
+    param_sums = param_part.sum((0, 1))  # [E, param_cols]: over batch and chunks
+    dA = param_sums[:, :state_size].to(A.dtype)
+    dD = param_sums[:, state_size].to(D.dtype)
+    d_dt_bias = param_sums[:, state_size + 1].to(dt_bias.dtype) if dt_bias is not None else None
     return du, ddt, dA, dB, dC, dD, dz, d_initial, d_dt_bias

@@ -149,15 +149,21 @@ def selective_scan_fwd(
 def selective_scan_bwd(
     u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks,
     residuals: ScanResiduals, dy: torch.Tensor, d_final_state: torch.Tensor | None, dz: torch.Tensor | None = None,
+    dBC: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
     """The training backward: (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the inputs' dtypes (None
     for an absent initial state or dt_bias), from the forward's inputs and residuals and the outputs' gradients.
-    dz: where to write z's gradient (`launch_selective_scan_bwd`), or None for a new tensor."""
+    dz, dBC: where to write z's gradient and dB and dC side by side (`launch_selective_scan_bwd`), or None for new
+    tensors."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     if dz is not None and (dz.shape != z.shape or dz.dtype != z.dtype or dz.stride(-1) != 1):
         raise ValueError(f"dz must be {tuple(z.shape)} {z.dtype} with contiguous channels, got {tuple(dz.shape)} "
                          f"{dz.dtype} with strides {dz.stride()}")  # fmt: skip
+    dBC_shape = (*B.shape[:-1], 2 * B.shape[-1])
+    if dBC is not None and (dBC.shape != dBC_shape or dBC.device != B.device):
+        raise ValueError(f"dBC must be {dBC_shape} (dB and dC side by side) on {B.device}, got {tuple(dBC.shape)} on "
+                         f"{dBC.device}")  # fmt: skip
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     return launch_selective_scan_bwd(
@@ -177,6 +183,7 @@ def selective_scan_bwd(
         dt_softplus=dt_softplus,
         seq_idx=seq_idx,
         dz=dz,
+        dBC=dBC,
     )
 
 
