@@ -214,9 +214,10 @@ def test_under_torch_compile_every_gradient_is_the_references(inner, monkeypatch
     def scan_fwd(x, dt, A, B, C, D, initial, segments, chunk_size, blocks, with_final_state=True):
         return ssd_chunk_scan_ref(x, dt, A, B, C, D, chunk_size)[0], None
 
-    def scan_bwd(x, dt, A, B, C, D, initial, segments, dy, dfinal, chunk_size, blocks):
+    def scan_bwd(x, dt, A, B, C, D, initial, segments, dy, dfinal, chunk_size, blocks):  # dx, dB, dC side by side
         _, vjp = torch.func.vjp(lambda *a: ssd_chunk_scan_ref(*a, chunk_size)[0], x, dt, A, B, C, D)
-        return (*vjp(dy), None)
+        dx, ddt, dA, dB, dC, dD = vjp(dy)
+        return torch.cat([dx.flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1), ddt, dA, dD, None
 
     for name, stand_in in [
         ("causal_conv1d_fwd", conv_fwd), ("causal_conv1d_bwd", conv_bwd),

@@ -74,14 +74,14 @@ class Mamba2InnerFunction(torch.autograd.Function):
         )
 
         x, B, C = split_heads_and_groups(xBC_conv, intermediate_size, num_heads, ctx.n_groups)
-        dx, ddt, dA, dB, dC, dD, _ = ssd_chunk_scan_bwd(
+        # the gradient of the conv's output [x, B, C], laid out as that output
+        d_xBC_conv, ddt, dA, dD, _ = ssd_chunk_scan_bwd(
             x, dt, A, B, C, D, None, segments, dy.unflatten(-1, (num_heads, -1)), None, CHUNK, ctx.blocks
         )
         # dt = softplus(dt_in + dt_bias), times the mask (`step_sizes`): softplus' derivative is the sigmoid.
         ddt = ddt * torch.sigmoid(dt_in.float() + dt_bias.float())
         if padding_mask is not None:
             ddt = ddt * padding_mask[..., None].to(ddt.dtype)
-        d_xBC_conv = torch.cat([dx.flatten(-2), dB.flatten(-2), dC.flatten(-2)], dim=-1)
         d_xBC, d_conv_weight, d_conv_bias = causal_conv1d_bwd(
             zero_padding(xBC, padding_mask), conv_weight[:, 0], conv_bias, d_xBC_conv, "silu", seq_idx=seq_idx,
             dx=d_xBC_out,

@@ -11,7 +11,8 @@ and within chunk c, with S_ij = C_i . B_j and dS_ij = dy_i . xdt_j:
              + [i last] (sum_j B_j . (w_j dH_c^T xdt_j) + a_c <H_c, dH_c>)
 and G's gradient goes to the steps by a reversed cumulative sum within the chunk (dg_t = sum_{i >= t} dG_i), whence
 ddt_t = dxdt_t . x_t + dg_t A and dA = sum_t dg_t dt_t. B and C are per group: each head's share is written and the
-launcher sums a group's heads.
+launcher sums a group's heads. dx, dB and dC come back side by side in one [b, T, H P + 2 G N] buffer, the layout of
+Mamba-2's conv output (x, B, C) whose gradient they are, so that the branch hands it to the conv's backward as is.
 
 Three launches: the states recomputed and their gradients walked back (forward.py's walk, both directions), then one
 program per (chunk, row and head) for all the rest, over the head's P channels at once and N in blocks.
@@ -37,9 +38,9 @@ from .forward import (
 @triton.jit
 def _ssd_chunk_bwd_kernel(
     p_x, p_dt, p_A, p_B, p_C, p_D, p_seg, p_states, p_dstates, p_dy,
-    p_dx, p_ddt, p_dB, p_dC, p_dA, p_dD,
+    p_dx, p_ddt, p_dBC, p_dAD,
     T, H, P, N, num_chunks, heads_per_group,
-    s_x_b, s_x_t, s_x_h, s_x_p,
+    s_x_b, s_x_t, s_x_h, s_x_p, s_dx_b, s_dx_t,
     s_dt_b, s_dt_t, s_dt_h,
     s_B_b, s_B_t, s_B_g, s_B_n,
     s_C_b, s_C_t, s_C_g, s_C_n,
@@ -124,32 +125,33 @@ def _ssd_chunk_bwd_kernel(
         b_dG -= b_to_end
         to_last += tl.sum(b_to_end, 0) + carry * tl.sum(tl.sum(b_h * b_dH, 1), 0)
         b_dB += tl.dot(b_dSMT, b_Cc.to(dot_dtype), input_precision=PRECISION)
-        # per-head shares [b, T, H, N] fp32, contiguous
-        o_tn = ((i_b * T + t[:, None]) * H + i_h) * N + o_n[None, :]
-        tl.store(p_dC + o_tn, b_dC, mask=m_tn)
-        tl.store(p_dB + o_tn, b_dB, mask=m_tn)
+        # per-head shares [b, T, 2, H, N] fp32 (dB's, then dC's), contiguous
+        o_tn = ((i_b * T + t[:, None]) * 2 * H + i_h) * N + o_n[None, :]
+        tl.store(p_dBC + o_tn, b_dB, mask=m_tn)
+        tl.store(p_dBC + H * N + o_tn, b_dC, mask=m_tn)
     b_dG = tl.where(is_last, b_dG + to_last, b_dG)
 
     # 4. To the inputs: xdt = x dt and G = cumsum(dt A)
     b_dg = tl.cumsum(b_dG, 0, reverse=True)
     b_dy = b_dy.to(tl.float32)
     D = tl.load(p_D + i_h).to(tl.float32)
-    o_tp = ((i_b * T + t[:, None]) * H + i_h) * P + o_p[None, :]  # dx: contiguous [b, T, H, P]
+    o_tp = i_b * s_dx_b + t[:, None] * s_dx_t + i_h * P + o_p[None, :]  # dx: [b, T, H, P], heads contiguous
     tl.store(p_dx + o_tp, (b_dxdt * b_dt[:, None] + D * b_dy).to(p_dx.dtype.element_ty), mask=m_tp)
     b_ddt = tl.sum(b_dxdt * b_x, 1) + b_dg * a
     tl.store(p_ddt + (i_b * T + t) * H + i_h, b_ddt, mask=m_t)  # ddt: contiguous [b, T, H]
-    o_part = (i_b * num_chunks + i_c) * H + i_h  # per-chunk partial sums [b, chunks, H]
-    tl.store(p_dA + o_part, tl.sum(b_dg * b_dt, 0))
-    tl.store(p_dD + o_part, tl.sum(tl.sum(b_dy * b_x, 1), 0))
+    o_part = ((i_b * num_chunks + i_c) * H + i_h) * 2  # per-chunk partial sums [b, chunks, H, 2]: dA's, dD's
+    tl.store(p_dAD + o_part, tl.sum(b_dg * b_dt, 0))
+    tl.store(p_dAD + o_part + 1, tl.sum(tl.sum(b_dy * b_x, 1), 0))
 
 
 def launch_ssd_chunk_scan_bwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, segments: Tensor | None, states: Tensor,
     dy: Tensor, dfinal: Tensor | None, has_initial_state: bool, chunk: int, blocks: SSDBlocks,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """Gradients of (x, dt, A, B, C, D, initial_state) from dy [b, T, H, P] and the final state's gradient (None:
-    zero), over checked tensors and the recomputed entering states (forward.py). The initial state's gradient is
-    None when `has_initial_state` is False."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """Gradients (dxBC, ddt, dA, dD, d initial_state) from dy [b, T, H, P] and the final state's gradient (None:
+    zero), over checked tensors and the recomputed entering states (forward.py): dxBC those of x, B and C side by
+    side, [b, T, H P + 2 G N] in x's dtype; ddt, dA and dD in fp32. The initial state's gradient is None when
+    `has_initial_state` is False."""
     batch, length, heads, head_dim = x.shape
     groups, state_size = B.shape[2:]
     shapes = shape_args(x, B, chunk)
@@ -158,20 +160,21 @@ def launch_ssd_chunk_scan_bwd(
         dy, dt, A, C, segments, dfinal, chunk, blocks, reverse=True, with_end=has_initial_state
     )
 
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x_channels = heads * head_dim
+    dxBC = x.new_empty(batch, length, x_channels + 2 * groups * state_size)  # the kernel writes dx's columns
     ddt = x.new_empty(batch, length, heads, dtype=torch.float32)
-    dB_heads = x.new_empty(batch, length, heads, state_size, dtype=torch.float32)
-    dC_heads = torch.empty_like(dB_heads)
-    dA_parts = x.new_empty(batch, num_chunks, heads, dtype=torch.float32)
-    dD_parts = torch.empty_like(dA_parts)
+    dBC_heads = x.new_empty(batch, length, 2, heads, state_size, dtype=torch.float32)
+    dAD_parts = x.new_empty(batch, num_chunks, heads, 2, dtype=torch.float32)
     _ssd_chunk_bwd_kernel[(num_chunks, batch * heads)](
         x, dt, A, B, C, D, segments, states, dstates, dy,
-        dx, ddt, dB_heads, dC_heads, dA_parts, dD_parts,
-        **shapes, **common_strides(x, dt, B, segments), **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
+        dxBC, ddt, dBC_heads, dAD_parts,
+        **shapes, **common_strides(x, dt, B, segments), s_dx_b=dxBC.stride(0), s_dx_t=dxBC.stride(1),
+        **stride_args("C", C, "btgn"), **stride_args("dy", dy, "bthp"),
         BLOCK_P=max(16, next_power_of_2(head_dim)), BLOCK_N=blocks.bwd_n, HAS_SEQ=segments is not None,
         PRECISION=dot_precision(x), num_warps=blocks.bwd_warps,
     )  # fmt: skip
-    group_sum = (batch, length, groups, heads // groups, state_size)
-    dB = dB_heads.view(group_sum).sum(3).to(B.dtype)
-    dC = dC_heads.view(group_sum).sum(3).to(C.dtype)
-    return dx, ddt, dA_parts.sum((0, 1)), dB, dC, dD_parts.sum((0, 1)), dh0
+    # a group's heads summed, dB's and dC's in one reduction, into the last 2 G N columns
+    dBC = dBC_heads.view(batch, length, 2, groups, heads // groups, state_size).sum(4)
+    dxBC[..., x_channels:].view(batch, length, 2, groups, state_size).copy_(dBC)
+    dA, dD = dAD_parts.sum((0, 1)).unbind(-1)
+    return dxBC, ddt, dA, dD, dh0

@@ -80,15 +80,28 @@ def ssd_chunk_scan_fwd(
 def ssd_chunk_scan_bwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, initial: Tensor | None,
     segments: Tensor | None, dy: Tensor, dfinal: Tensor | None, chunk_size: int, blocks: SSDBlocks,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
-    """Gradients of (x, dt, A, B, C, D, initial) from dy and the final state's gradient (fp32 contiguous or None),
-    the forward's arguments given again; dt's, A's, D's and the initial state's in fp32, the others in their
-    inputs' dtypes. The states entering the chunks are recomputed first."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
+    """Gradients (dxBC, ddt, dA, dD, d initial) from dy and the final state's gradient (fp32 contiguous or None),
+    the forward's arguments given again: dxBC those of x, B and C side by side, [b, T, H P + 2 G N] in x's dtype
+    (the layout of Mamba-2's conv output; `split_gradients` gives the three), the others in fp32. The states entering
+    the chunks are recomputed first."""
     states, _ = launch_ssd_chunk_walk(
         x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=False
     )
     return launch_ssd_chunk_scan_bwd(
         x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, chunk_size, blocks
+    )
+
+
+def split_gradients(dxBC: Tensor, x: Tensor, B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dxBC [b, T, H P + 2 G N] as views dx [b, T, H, P], dB and dC [b, T, G, N]."""
+    heads, head_dim = x.shape[2:]
+    groups, state_size = B.shape[2:]
+    dx, dB, dC = dxBC.split([heads * head_dim, groups * state_size, groups * state_size], dim=-1)
+    return (
+        dx.unflatten(-1, (heads, head_dim)),
+        dB.unflatten(-1, (groups, state_size)),
+        dC.unflatten(-1, (groups, state_size)),
     )
 
 
@@ -112,11 +125,15 @@ class SSDChunkScanFunction(torch.autograd.Function):
         if dy is None:
             dy = torch.zeros_like(x)
         dfinal = d_final_state.float().contiguous() if d_final_state is not None else None
-        dx, ddt, dA, dB, dC, dD, dh0 = ssd_chunk_scan_bwd(
+        dxBC, ddt, dA, dD, dh0 = ssd_chunk_scan_bwd(
             x, dt, A, B, C, D, initial, segments, dy, dfinal, ctx.chunk_size, ctx.blocks
         )
+        dx, dB, dC = split_gradients(dxBC, x, B)
         d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
-        return dx, ddt.to(dt.dtype), dA.to(A.dtype), dB, dC, dD.to(D.dtype), d_initial, None, None, None
+        return (
+            dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD.to(D.dtype), d_initial,
+            None, None, None,
+        )  # fmt: skip
 
 
 def ssd_chunk_scan_fn(
