@@ -7,6 +7,8 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
     python scripts/bench_generate.py --shape small                    # the ~400M training-benchmark shape
     python scripts/bench_generate.py --models hybrid,hybrid-mamba2,swa  # also the hybrid with a Mamba-2 branch
     python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
+    python scripts/bench_generate.py --caches static --skip-module-guards   # both models' compiled step without
+                                                                      # Dynamo's guards on modules and parameters
 
 Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
 cache: `generate()` does so on CUDA with CUDA graphs) of the whole `generate()` and of the prefill alone
@@ -154,6 +156,13 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="hybrid,swa", help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--profile", action="store_true", help="also each model's top kernels and host syncs")
     parser.add_argument("--smoke", action="store_true", help="tiny models and lengths, on CPU in fp32")
+    parser.add_argument(
+        "--skip-module-guards",
+        action="store_true",
+        help="compile every model's static-cache decode step without Dynamo's guards on modules and parameters "
+        "(torch.compiler.skip_guard_on_all_nn_modules_unsafe, through the generation config's CompileConfig): "
+        "what the guard check costs each step, which grows with a model's parameter tensors",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args(argv)
@@ -181,6 +190,35 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch._logging.set_logs(perf_hints=True)  # why Inductor skips CUDA graphs for a graph, if it does
     models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype, names)
+    if args.skip_module_guards:
+        from transformers import CompileConfig
+
+        for model in models.values():
+            # generate()'s default mode, "reduce-overhead", is Inductor's CUDA graphs: torch.compile takes a mode or
+            # options, not both
+            model.generation_config.compile_config = CompileConfig(
+                mode=None,
+                options={
+                    "triton.cudagraphs": True,
+                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                },
+            )
+    meta = {
+        "commit": args.commit or head_commit(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "settings": {
+            "batch": args.batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "dtype": str(dtype),
+            "shape_name": "smoke" if args.smoke else args.shape,
+            "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
+            "attn_implementation": models["swa"].config._attn_implementation,
+            "skip_module_guards": args.skip_module_guards,
+        },
+    }
     results = {}
     for cache in caches:
         for name, model in models.items():
@@ -193,6 +231,8 @@ def main(argv=None) -> int:
             )
             if args.profile:
                 print(f"host syncs per new token: {row['host_syncs_per_token']:.2f}\n{row['top_kernels']}", flush=True)
+            if args.json:  # after every run: a device call cut by its time limit keeps what finished
+                Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     ratios = {
         cache: {
             name: row["new_tok_per_s"] / rows["swa"]["new_tok_per_s"] for name, row in rows.items() if name != "swa"
@@ -204,21 +244,6 @@ def main(argv=None) -> int:
             print(f"{name} / swa new tok/s, {cache} cache: {ratio:.3f}x")
 
     if args.json:
-        meta = {
-            "commit": args.commit or head_commit(),
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "settings": {
-                "batch": args.batch,
-                "prompt_len": args.prompt_len,
-                "new_tokens": args.new_tokens,
-                "repeats": args.repeats,
-                "dtype": str(dtype),
-                "shape_name": "smoke" if args.smoke else args.shape,
-                "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
-                "attn_implementation": models["swa"].config._attn_implementation,
-            },
-        }
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results, "over_swa": ratios}, indent=1))
     return 0
 
