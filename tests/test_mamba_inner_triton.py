@@ -143,7 +143,12 @@ def test_no_grad_forward_saves_no_scan_checkpoints(inner, monkeypatch):
     scan = importlib.import_module("modeling.ops.selective_scan.interface")
     seen = []
     original = scan.selective_scan_fwd
-    monkeypatch.setattr(inner, "selective_scan_fwd", lambda *a: seen.append(a[-1].save_seg_states) or original(*a))
+
+    def recording(*args, **kwargs):
+        seen.append(next(x for x in args if isinstance(x, scan.ScanBlocks)).save_seg_states)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(inner, "selective_scan_fwd", recording)
     tensors = {k: v.float().to(DEVICE).requires_grad_() for k, v in random_branch(1, 9, 8, 4, 2).items()}
     with torch.no_grad():
         inner.mamba_inner_fn(**tensors)

@@ -209,6 +209,38 @@ def test_training_backward_writes_dz_and_dBC_into_given_views(scan):
                                 wider_BC[..., 6:])  # fmt: skip
 
 
+def test_the_kernels_take_A_log_in_place_of_A(scan):
+    """With A_is_log the kernels read A_log and take A = -exp(A_log) themselves (the fused branch op's path), giving
+    the outputs and gradients of a launch on A, and A_log's gradient dA * A in place of dA. Three chunks (the
+    combine reads A too), fp32, dt_bias and softplus as the model runs them."""
+    inputs = random_training_inputs(2, 21, 24, 8, torch.float32, seed=7)
+    g = torch.Generator().manual_seed(8)
+    A_log = (torch.randn(24, 8, generator=g, dtype=torch.float64) * 0.5).float().to(DEVICE)
+    dt_bias = torch.rand(24, generator=g, dtype=torch.float64).float().to(DEVICE)
+    u, dt, B, C, D, z = (inputs[k].float().to(DEVICE) for k in ("u", "dt", "B", "C", "D", "z"))
+    A = -torch.exp(A_log)
+    blocks = scan.pick_scan_blocks(2, 21, 24, 8, chunk=8, seg=4, bwd_block_e=8)
+    dy = torch.randn(2, 21, 24, generator=g).to(DEVICE)
+    y, final, residuals = scan.selective_scan_fwd(u, dt, A, B, C, D, z, None, None, dt_bias, True, blocks)
+    y_log, final_log, residuals_log = scan.selective_scan_fwd(
+        u, dt, A_log, B, C, D, z, None, None, dt_bias, True, blocks, A_is_log=True
+    )
+    torch.testing.assert_close(y_log, y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final_log, final, atol=1e-5, rtol=1e-5)
+    grads = scan.selective_scan_bwd(u, dt, A, B, C, D, z, None, None, dt_bias, True, blocks, residuals, dy, None)
+    grads_log = scan.selective_scan_bwd(
+        u, dt, A_log, B, C, D, z, None, None, dt_bias, True, blocks, residuals_log, dy, None, A_is_log=True
+    )
+    names = ("du", "ddt", "dA", "dB", "dC", "dD", "dz", "dh0", "d_dt_bias")
+    for name, actual, expected in zip(names, grads_log, grads):
+        if name == "dA":
+            expected = expected * A  # A_log's gradient
+        if expected is None:
+            assert actual is None, name
+            continue
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
 PACKED_CASES = [  # as TRAIN_CASES, then row 0's sequence starts and seq_idx's dtype; with chunk 8, row 0 has a
     # reset inside chunk 0, one exactly at chunk 1's start and two more in chunk 1 (token 11 alone: a length-1
     # sequence), then (T26, T19) a chunk without a reset and (T21, T26) a length-1 last sequence; resets also fall

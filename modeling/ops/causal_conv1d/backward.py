@@ -43,8 +43,8 @@ def _causal_conv1d_bwd_kernel(
 ):  # fmt: skip
     """Gradients of `causal_conv1d_ref` in x, weight and bias (not in the history). Program (i_c, i_e, i_b) owns rows
     i_c*rows_per_program.. (a multiple of BLOCK_T) of batch row i_b: it writes dx there, and its partial sums of
-    dweight [BLOCK_K, BLOCK_E] and (HAS_BIAS) dbias [BLOCK_E] into row i_b * num_programs(0) + i_c of p_partial
-    [P, K + HAS_BIAS, E] (dbias the last of each row's K + 1), so that one reduction sums both.
+    dweight and (HAS_BIAS) dbias into row i_b * num_programs(0) + i_c of p_partial [P, E K + HAS_BIAS E]: dweight's
+    [E, K] (weight's layout), then dbias's [E], so that one reduction sums both.
 
     With g_t = dy_t * act'(pre_t):  dx_t = sum_i weight[K-1-i] * g_{t+i},  dweight[k] = sum_t g_t * x_{t-K+1+k},
     dbias = sum_t g_t. dx_t reads g of the next K-1 rows, and a register tile's rows cannot be shifted: with silu,
@@ -131,7 +131,7 @@ def _causal_conv1d_bwd_kernel(
             b_dw += tl.where(o_k[:, None] == k, tl.sum(b_g * b_in, axis=0)[None, :], 0.0)
 
     p_partial += (i_b * tl.num_programs(0) + i_c).to(tl.int64) * (K + HAS_BIAS) * E
-    tl.store(p_partial + o_k[:, None] * E + o_e[None, :], b_dw, mask=(o_k < K)[:, None] & m_e[None, :])
+    tl.store(p_partial + o_e[None, :] * K + o_k[:, None], b_dw, mask=(o_k < K)[:, None] & m_e[None, :])
     if HAS_BIAS:
         tl.store(p_partial + K * E + o_e, b_dbias, mask=m_e)
 
@@ -150,8 +150,10 @@ def launch_causal_conv1d_bwd(
     width = weight.shape[1]
     num_row_ranges = cdiv(seq_len, rows_per_program) if seq_len else 0
     # every (batch row, row range) row of the partials is written by the programs of its channel blocks: dweight's
-    # K rows, then dbias's
-    partial = x.new_empty((batch_size * num_row_ranges, width + (bias is not None), num_channels), dtype=torch.float32)
+    # [E, K], then dbias's [E], so that each sum is a contiguous view of one reduction's result, which autograd hands
+    # to the parameter as it is (a strided one it would copy)
+    partial_numel = num_channels * (width + (bias is not None))
+    partial = x.new_empty((batch_size * num_row_ranges, partial_numel), dtype=torch.float32)
     if x.numel() > 0:
         grid = (num_row_ranges, cdiv(num_channels, block_e), batch_size)
         ring = None  # each program's ring of g tiles (silu): [2 * block_t, block_e] fp32
@@ -174,7 +176,10 @@ def launch_causal_conv1d_bwd(
             BLOCK_E=block_e,
             num_warps=num_warps,
         )
-    sums = partial.sum(0)  # [K (+ 1), E]
-    dweight = sums[:width].t().to(weight.dtype)  # [K, E] -> [E, K]
-    dbias = sums[width].to(bias.dtype) if bias is not None else None
+    sums = partial.sum(0)
+    if bias is None or bias.dtype == weight.dtype:
+        sums = sums.to(weight.dtype)  # one cast for both (bf16 weights); the views below keep it
+    weight_numel = num_channels * width
+    dweight = sums[:weight_numel].view(num_channels, width).to(weight.dtype)
+    dbias = sums[weight_numel:].to(bias.dtype) if bias is not None else None
     return dx, dweight, dbias

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from ..causal_conv1d.interface import causal_conv1d_bwd, causal_conv1d_fwd
-from ..decay import decay_rates
 from ..selective_scan.interface import (
     ScanBlocks,
     ScanResiduals,
@@ -57,11 +56,14 @@ class MambaInnerFunction(torch.autograd.Function):
         if padding_mask is not None:
             # softplus(-inf + bias) = 0: a zero step leaves the state as it was, and its gradient is zero
             dt.masked_fill_(padding_mask[..., None] == 0, float("-inf"))
-        A = decay_rates(A_log)
-        B, C = check_scan_inputs(u, dt, A, B, C, D, z, dt_proj_bias, (batch_size, seq_len))
-        y, _, residuals = selective_scan_fwd(u, dt, A, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks)
+        # The kernels take A = -exp(A_log) (`decay_rates`) themselves, and give back A_log's gradient
+        A_log = A_log.contiguous()
+        B, C = check_scan_inputs(u, dt, A_log, B, C, D, z, dt_proj_bias, (batch_size, seq_len))
+        y, _, residuals = selective_scan_fwd(
+            u, dt, A_log, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks, A_is_log=True
+        )
         ctx.save_for_backward(
-            xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A, D, padding_mask, seq_idx,
+            xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, padding_mask, seq_idx,
             u, x_dbl, dt, *residuals,
         )  # fmt: skip
         ctx.blocks = blocks
@@ -70,12 +72,12 @@ class MambaInnerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (
-            xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A, D, padding_mask, seq_idx,
+            xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_proj_bias, A_log, D, padding_mask, seq_idx,
             u, x_dbl, dt, chunk_h, chunk_dtsum, seg_states,
         ) = ctx.saved_tensors  # fmt: skip
         blocks: ScanBlocks = ctx.blocks
         num_channels = xz.shape[-1] // 2
-        dt_rank, state_size = dt_proj_weight.shape[1], A.shape[1]
+        dt_rank, state_size = dt_proj_weight.shape[1], A_log.shape[1]
         dt_low, B, C = x_dbl.split([dt_rank, state_size, state_size], dim=-1)
         z = xz[..., num_channels:]
         # The gradients of xz and of x_dbl = [dt_low, B, C]: in eager, each part written in place (z's by the scan,
@@ -85,10 +87,10 @@ class MambaInnerFunction(torch.autograd.Function):
         in_place = not torch.compiler.is_compiling()
         dxz = torch.empty_like(xz, memory_format=torch.contiguous_format) if in_place else None
         d_x_dbl = torch.empty_like(x_dbl) if in_place else None
-        du, ddt, dA, dB, dC, dD, dz, _, d_dt_bias = selective_scan_bwd(
-            u, dt, A, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks,
+        du, ddt, dA_log, dB, dC, dD, dz, _, d_dt_bias = selective_scan_bwd(
+            u, dt, A_log, B, C, D, z, None, seq_idx, dt_proj_bias, True, blocks,
             ScanResiduals(chunk_h, chunk_dtsum, seg_states), dy, None,
-            dxz[..., num_channels:] if in_place else None, d_x_dbl[..., dt_rank:] if in_place else None,
+            dxz[..., num_channels:] if in_place else None, d_x_dbl[..., dt_rank:] if in_place else None, A_is_log=True,
         )  # fmt: skip
 
         # dt = dt_low @ W_dt^T and x_dbl = u @ W_x^T; du gathers the scan's and x_proj's gradients in place.
@@ -117,7 +119,6 @@ class MambaInnerFunction(torch.autograd.Function):
             dxs.mul_(padding_mask[..., None].to(dxs.dtype))
         if not in_place:
             dxz = torch.cat([dxs, dz], dim=-1)
-        dA_log = dA * A  # A = -exp(A_log)
         return (
             dxz, d_conv_weight[:, None], d_conv_bias, d_x_proj_weight, d_dt_proj_weight, d_dt_bias, dA_log, dD,
             None, None, None,

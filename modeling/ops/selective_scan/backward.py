@@ -17,8 +17,8 @@ BLOCK_E channels, dB's and dC's side by side, to one [E / BLOCK_E, B, T, 2N] fp3
 by one reduction: deterministic, unlike atomics, at the cost of 2 E N / BLOCK_E fp32 values per token (an fp32
 [B, T, E] tensor's worth at the default BLOCK_E = 32, N = 16; a larger bwd_block_e shrinks it). Its sum [B, T, 2N]
 is laid out as the [dB, dC] columns of x_proj's output gradient, so the caller can have it written there. dA, dD
-and d(dt_bias) (sums over batch and time) are written per (batch row, chunk) program into one [B, num_chunks, E,
-N + 2] buffer and summed likewise.
+and d(dt_bias) (sums over batch and time) are written per (batch row, chunk) program one after the other into one
+[B, num_chunks, E N + 2E] buffer and summed likewise: each gradient a contiguous view of the sum.
 """
 
 from typing import TYPE_CHECKING
@@ -101,6 +101,7 @@ def _selective_scan_bwd_kernel(
     STAGE: tl.constexpr, CHUNKED: tl.constexpr, HAS_H0: tl.constexpr, HAS_DHT: tl.constexpr,
     SEG_H_SAVED: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     CHUNK: tl.constexpr, SEG: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    A_IS_LOG: tl.constexpr,
 ):  # fmt: skip
     """One (batch row, channel block, chunk) of the backward, walking the chunk in reverse with the adjoint
     P_t = dL/dh_{t-1} = a_t * G_t, G_t = dL/dh_t = dy'_t C_t + P_{t+1} (dy' = dy * silu(z)).
@@ -110,17 +111,18 @@ def _selective_scan_bwd_kernel(
     a recompute pass over the chunk into the scratch.
     Gradient buffers are contiguous but dz: du, ddt [B, T, E]; dz [B, T, E] at strides s_dz_b, s_dz_t (a column
     range of the caller's wider gradient); dB and dC partials side by side [E / BLOCK_E, B, T, 2N]; dA, dD and
-    dt_bias partials side by side [B, num_chunks, E, N + 1 + HAS_DT_BIAS]; dh0 [B, E, N] (written here only when
+    dt_bias partials one after the other [B, num_chunks, E N + E (+ E)]; dh0 [B, E, N] (written here only when
     not CHUNKED).
     HAS_SEQ_IDX: `p_seq_idx` [B, T] int32 or int64; a_t = 0 where a sequence starts (t > 0, seq_idx[t] !=
     seq_idx[t - 1]), as in the forward, so nothing of the adjoint crosses back into the previous sequence.
     HAS_DT_BIAS / DT_SOFTPLUS: the step is `_dt_step` of dt, as in the forward, and ddt is the gradient of the dt
-    argument (through the softplus), and so, summed over the chunk's tokens in fp32, dt_bias's partial."""
+    argument (through the softplus), and so, summed over the chunk's tokens in fp32, dt_bias's partial.
+    A_IS_LOG: `p_A` is A_log (A = -exp(A_log)), and the dA partials are A_log's: dA * A, per (channel, state)."""
     i_b, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t_start = i_c * CHUNK
     t_end = tl.minimum(t_start + CHUNK, T)
 
-    o_e, o_n, m_e, m_n, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N)
+    o_e, o_n, m_e, m_n, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N, A_IS_LOG)
     b_D, b_dt_bias = _load_channel_params(p_D, p_dt_bias, o_e, m_e, HAS_DT_BIAS)
     o_chunk = (i_b * num_chunks + i_c).to(tl.int64)
     o_chunk_h = o_chunk * E * N + o_e[:, None] * N + o_n[None, :]
@@ -273,13 +275,14 @@ def _selective_scan_bwd_kernel(
                 b_h_prev, b_u, b_dt, b_z, b_dy = b_h_prev_next, b_u_next, b_dt_next, b_z_next, b_dy_next
                 b_Bt, b_Ct = b_Bt_next, b_Ct_next
 
-        # per channel: dA's N partials, then dD's, then dt_bias's
-        PARAM_COLS: tl.constexpr = 1 + HAS_DT_BIAS
-        p_param_e = p_param_part + (o_chunk * E + o_e) * (N + PARAM_COLS)
-        tl.store(p_param_e[:, None] + o_n[None, :], b_dA, mask=m_en)
-        tl.store(p_param_e + N, b_dD, mask=m_e)
+        if A_IS_LOG:  # d/dA_log = d/dA * dA/dA_log = d/dA * A, A constant over the sum
+            b_dA *= b_A2 * (1.0 / LOG2E)
+        # this (row, chunk)'s partials: dA's [E, N], then dD's [E], then dt_bias's [E], each contiguous
+        p_param = p_param_part + o_chunk * E * (N + 1 + HAS_DT_BIAS)
+        tl.store(p_param + o_e[:, None] * N + o_n[None, :], b_dA, mask=m_en)
+        tl.store(p_param + E * N + o_e, b_dD, mask=m_e)
         if HAS_DT_BIAS:
-            tl.store(p_param_e + N + 1, b_d_dt_bias, mask=m_e)
+            tl.store(p_param + E * (N + 1) + o_e, b_d_dt_bias, mask=m_e)
         if not CHUNKED and HAS_H0:
             tl.store(p_dh0 + o_state, b_P, mask=m_en)
 
@@ -290,7 +293,7 @@ def launch_selective_scan_bwd(
     chunk_h: Tensor | None, chunk_dtsum: Tensor | None, seg_states: Tensor | None,
     *,
     blocks: "ScanBlocks", dt_bias: Tensor | None = None, dt_softplus: bool = False, seq_idx: Tensor | None = None,
-    dz: Tensor | None = None, dBC: Tensor | None = None,
+    dz: Tensor | None = None, dBC: Tensor | None = None, A_is_log: bool = False,
 ) -> tuple[Tensor | None, ...]:  # fmt: skip
     """The backward's launches (training layout [B, T, E], B and C sharing their strides); chunk_dtsum as
     `launch_selective_scan_fwd` returned it (None: one chunk per row), seg_states as it filled them, or None and the
@@ -298,7 +301,8 @@ def launch_selective_scan_bwd(
     dt_bias / dt_softplus / seq_idx as the forward got them; dz: where to write z's gradient ([B, T, E] in z's
     dtype, channels contiguous: e.g. a column range of the caller's gradient of a wider input), or None for a new
     tensor; dBC: where to write dB and dC side by side ([B, T, 2N], e.g. the last 2N columns of x_proj's output
-    gradient), or None for a new tensor. Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
+    gradient), or None for a new tensor; A_is_log as the forward got it (then dA is A_log's gradient). Returns (du,
+    ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
     dtypes of the inputs (None for an absent initial state or dt_bias); dB and dC are views of dBC (in its dtype when
     given)."""
     batch_size, seq_len, num_channels = u.shape
@@ -312,8 +316,10 @@ def launch_selective_scan_bwd(
     if dz is None:
         dz = torch.empty(batch_size, seq_len, num_channels, dtype=z.dtype, device=u.device)
     dBC_part = u.new_empty(num_eblocks, batch_size, seq_len, 2 * state_size, dtype=torch.float32)
-    param_cols = state_size + 1 + (dt_bias is not None)  # dA's N, dD's, dt_bias's
-    param_part = u.new_empty(batch_size, num_chunks, num_channels, param_cols, dtype=torch.float32)
+    # dA's E N, dD's E and dt_bias's E, so that each sum is a contiguous view of one reduction's result, which
+    # autograd hands to the parameter as it is (a strided one it would copy)
+    param_numel = num_channels * (state_size + 1 + (dt_bias is not None))
+    param_part = u.new_empty(batch_size, num_chunks, param_numel, dtype=torch.float32)
     d_initial = torch.empty_like(initial_state) if initial_state is not None else None
     chunk_dh = u.new_empty(batch_size, num_chunks, num_channels, state_size, dtype=torch.float32) if chunked else None
     grid = (batch_size, num_eblocks, num_chunks)
@@ -328,6 +334,7 @@ def launch_selective_scan_bwd(
         "N": state_size,
         "num_chunks": num_chunks,
         "HAS_SEQ_IDX": seq_idx is not None,
+        "A_IS_LOG": A_is_log,
         "BLOCK_E": blocks.bwd_block_e,
         "BLOCK_N": block_n,
         "num_warps": blocks.bwd_num_warps,
@@ -389,8 +396,12 @@ def launch_selective_scan_bwd(
     else:
         dBC.copy_(dBC_sums)
     dB, dC = dBC[..., :state_size], dBC[..., state_size:].to(C.dtype)
-    param_sums = param_part.sum((0, 1))  # [E, param_cols]: over batch and chunks
-    dA = param_sums[:, :state_size].to(A.dtype)
-    dD = param_sums[:, state_size].to(D.dtype)
-    d_dt_bias = param_sums[:, state_size + 1].to(dt_bias.dtype) if dt_bias is not None else None
+    param_sums = param_part.sum((0, 1))  # over batch and chunks
+    param_dtypes = {A.dtype, D.dtype} | ({dt_bias.dtype} if dt_bias is not None else set())
+    if len(param_dtypes) == 1:
+        param_sums = param_sums.to(D.dtype)  # one cast for the three (bf16 weights); the views below keep it
+    a_numel = num_channels * state_size
+    dA = param_sums[:a_numel].view(num_channels, state_size).to(A.dtype)
+    dD = param_sums[a_numel : a_numel + num_channels].to(D.dtype)
+    d_dt_bias = param_sums[a_numel + num_channels :].to(dt_bias.dtype) if dt_bias is not None else None
     return du, ddt, dA, dB, dC, dD, dz, d_initial, d_dt_bias

@@ -76,15 +76,17 @@ def _state_slot(p_state_indices, i_s, USE_STATE_INDICES: tl.constexpr):
 
 
 @triton.jit
-def _channel_block(p_A, i_e, E, N, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr):
+def _channel_block(p_A, i_e, E, N, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, A_IS_LOG: tl.constexpr):
     """Offsets and masks of channel block i_e ([BLOCK_E] channels, [BLOCK_N] state entries each), and its A * LOG2E
-    (fp32 [BLOCK_E, BLOCK_N])."""
+    (fp32 [BLOCK_E, BLOCK_N]). A_IS_LOG: `p_A` holds A_log, and A = -exp(A_log) (`decay_rates`) is taken here."""
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     o_n = tl.arange(0, BLOCK_N)
     m_e, m_n = o_e < E, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-    b_A2 = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32) * LOG2E
-    return o_e, o_n, m_e, m_n, m_en, b_A2
+    b_A = tl.load(p_A + o_e[:, None] * N + o_n[None, :], mask=m_en, other=0.0).to(tl.float32)
+    if A_IS_LOG:
+        b_A = -tl.exp(b_A)
+    return o_e, o_n, m_e, m_n, m_en, b_A * LOG2E
 
 
 @triton.jit
@@ -145,6 +147,7 @@ def _selective_scan_fwd_kernel(
     STAGE: tl.constexpr, CHUNKED: tl.constexpr, HAS_H0: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, SAVE_SEG_H: tl.constexpr,
     HAS_SEQ_IDX: tl.constexpr, SEG: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
+    A_IS_LOG: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, channel block, chunk). STAGE 0: the chunk's end state from a zero start and its sum of steps,
     into the chunk buffers [S, num_chunks, E, N] / [S, num_chunks, E]. STAGE 1: y for the chunk from its true start
@@ -154,7 +157,7 @@ def _selective_scan_fwd_kernel(
     rows only): `p_seq_idx` [B, T] int32 or int64; a step whose token starts a new sequence has decay 0, and stage 0
     writes +inf as the dt sum of a chunk with such a step (the combine passes none of its incoming carry).
     The step is `_dt_step` of dt (HAS_DT_BIAS, DT_SOFTPLUS). B and C share their strides (s_BC_*), the initial and
-    final states theirs (s_h_*: one tensor when the cache is updated in place)."""
+    final states theirs (s_h_*: one tensor when the cache is updated in place). A_IS_LOG: `p_A` is A_log."""
     i_s, i_e, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, seq_len = _sequence_bounds(p_cu_seqlens, i_s, T, IS_VARLEN)
     t_start = i_c * chunk
@@ -164,7 +167,7 @@ def _selective_scan_fwd_kernel(
     slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
     is_real = slot >= 0  # padding sequences (slot -1) get zeros and touch no state
 
-    o_e, o_n, m_e, m_n, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N)
+    o_e, o_n, m_e, m_n, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N, A_IS_LOG)
     b_D, b_dt_bias = _load_channel_params(p_D, p_dt_bias, o_e, m_e, HAS_DT_BIAS)
     o_chunk = (i_s * num_chunks + i_c).to(tl.int64)
     o_chunk_h = o_chunk * E * N + o_e[:, None] * N + o_n[None, :]
@@ -249,6 +252,7 @@ def _selective_scan_chunk_combine_kernel(
     T, E, N, num_chunks, chunk, s_h_slot, s_h_e, s_h_n,
     REVERSE: tl.constexpr, HAS_FIRST: tl.constexpr, STORE_LAST: tl.constexpr, USE_STATE_INDICES: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_IS_LOG: tl.constexpr,
 ):  # fmt: skip
     """One (sequence, channel block): walks its chunks in order (REVERSE: last to first) replacing each chunk's
     zero-start carry in `p_chunk_h` [S, num_chunks, E, N] by the true carry entering it:
@@ -263,7 +267,7 @@ def _selective_scan_chunk_combine_kernel(
     chunks_in_seq = tl.cdiv(seq_len, chunk)
     slot = _state_slot(p_state_indices, i_s, USE_STATE_INDICES)
 
-    o_e, o_n, m_e, _, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N)
+    o_e, o_n, m_e, _, m_en, b_A2 = _channel_block(p_A, i_e, E, N, BLOCK_E, BLOCK_N, A_IS_LOG)
     if HAS_FIRST:
         b_carry = _load_state(
             p_first, slot, p_has_first, i_s, o_e, o_n, m_en, s_h_slot, s_h_e, s_h_n, USE_STATE_INDICES
@@ -334,14 +338,15 @@ def launch_selective_scan_fwd(
     *,
     blocks: "ScanBlocks", max_seq_len: int, dt_bias: Tensor | None = None, dt_softplus: bool = False,
     cu_seqlens: Tensor | None = None, state_indices: Tensor | None = None, has_initial_state: Tensor | None = None,
-    seg_states: Tensor | None = None, seq_idx: Tensor | None = None,
+    seg_states: Tensor | None = None, seq_idx: Tensor | None = None, A_is_log: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:  # fmt: skip
     """The forward's launches over checked tensors. u, dt, z, y: [B, T, E] or packed [T, E] (then `cu_seqlens` [S+1]
     delimits the sequences); B, C likewise with N, sharing their strides; initial_state / final_state: [rows, E, N]
     with the same strides (the same tensor when the cache is updated in place), indexed by `state_indices` [S]
     (negative = padding sequence) or by batch row; `has_initial_state` [S] bool masks the initial-state read per
     sequence; `seg_states` [B, cdiv(T, seg), E, N] fp32 (training only) receives the backward's segment checkpoints;
-    `seq_idx` [B, T] (training only) restarts the state where it changes.
+    `seq_idx` [B, T] (training only) restarts the state where it changes; `A_is_log`: A holds A_log (A = -exp(A_log)
+    taken in the kernels).
     Returns the chunk start states [S, num_chunks, E, N] fp32 (None when one chunk covers every sequence) and the
     chunks' sums of dt [S, num_chunks, E] (+inf for a chunk in which a sequence starts), which the backward reuses."""
     num_channels, state_size = A.shape
@@ -368,6 +373,7 @@ def launch_selective_scan_fwd(
         "USE_STATE_INDICES": state_indices is not None,
         "IS_VARLEN": cu_seqlens is not None,
         "HAS_SEQ_IDX": seq_idx is not None,
+        "A_IS_LOG": A_is_log,
         "BLOCK_E": blocks.block_e,
         "BLOCK_N": next_power_of_2(state_size),
         "num_warps": blocks.num_warps,

@@ -110,10 +110,12 @@ class ScanResiduals(NamedTuple):
 
 
 def selective_scan_fwd(
-    u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks
-) -> tuple[torch.Tensor, torch.Tensor, ScanResiduals]:
+    u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks,
+    A_is_log: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, ScanResiduals]:  # fmt: skip
     """The training forward on checked inputs (`selective_scan_fn` checks them): y [B, T, E] in u's dtype, the final
-    state [B, E, N] fp32 and what `selective_scan_bwd` needs. Autograd-free, for the autograd functions built on it."""
+    state [B, E, N] fp32 and what `selective_scan_bwd` needs. Autograd-free, for the autograd functions built on it.
+    A_is_log: A holds A_log, A = -exp(A_log) taken in the kernels (`decay_rates`' work, without its three ops)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     y = torch.empty(batch_size, seq_len, num_channels, dtype=u.dtype, device=u.device)
@@ -139,6 +141,7 @@ def selective_scan_fwd(
         dt_softplus=dt_softplus,
         seg_states=seg_states,
         seq_idx=seq_idx,
+        A_is_log=A_is_log,
     )
     # The backward reads the chunk start states only to recompute checkpoints it is not given: with them saved,
     # keeping chunk_h too would hold fp32 [B, num_chunks, E, N] for nothing.
@@ -149,12 +152,12 @@ def selective_scan_fwd(
 def selective_scan_bwd(
     u, dt, A, B, C, D, z, initial_state, seq_idx, dt_bias, dt_softplus: bool, blocks: ScanBlocks,
     residuals: ScanResiduals, dy: torch.Tensor, d_final_state: torch.Tensor | None, dz: torch.Tensor | None = None,
-    dBC: torch.Tensor | None = None,
+    dBC: torch.Tensor | None = None, A_is_log: bool = False,
 ) -> tuple[torch.Tensor | None, ...]:  # fmt: skip
     """The training backward: (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the inputs' dtypes (None
     for an absent initial state or dt_bias), from the forward's inputs and residuals and the outputs' gradients.
     dz, dBC: where to write z's gradient and dB and dC side by side (`launch_selective_scan_bwd`), or None for new
-    tensors."""
+    tensors; A_is_log as the forward got it (dA is then A_log's gradient)."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     if dz is not None and (dz.shape != z.shape or dz.dtype != z.dtype or dz.stride(-1) != 1):
@@ -184,6 +187,7 @@ def selective_scan_bwd(
         seq_idx=seq_idx,
         dz=dz,
         dBC=dBC,
+        A_is_log=A_is_log,
     )
 
 

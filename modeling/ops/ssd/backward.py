@@ -139,9 +139,9 @@ def _ssd_chunk_bwd_kernel(
     tl.store(p_dx + o_tp, (b_dxdt * b_dt[:, None] + D * b_dy).to(p_dx.dtype.element_ty), mask=m_tp)
     b_ddt = tl.sum(b_dxdt * b_x, 1) + b_dg * a
     tl.store(p_ddt + (i_b * T + t) * H + i_h, b_ddt, mask=m_t)  # ddt: contiguous [b, T, H]
-    o_part = ((i_b * num_chunks + i_c) * H + i_h) * 2  # per-chunk partial sums [b, chunks, H, 2]: dA's, dD's
+    o_part = (i_b * num_chunks + i_c) * 2 * H + i_h  # per-chunk partial sums [b, chunks, 2, H]: dA's, then dD's
     tl.store(p_dAD + o_part, tl.sum(b_dg * b_dt, 0))
-    tl.store(p_dAD + o_part + 1, tl.sum(tl.sum(b_dy * b_x, 1), 0))
+    tl.store(p_dAD + o_part + H, tl.sum(tl.sum(b_dy * b_x, 1), 0))
 
 
 def launch_ssd_chunk_scan_bwd(
@@ -164,7 +164,7 @@ def launch_ssd_chunk_scan_bwd(
     dxBC = x.new_empty(batch, length, x_channels + 2 * groups * state_size)  # the kernel writes dx's columns
     ddt = x.new_empty(batch, length, heads, dtype=torch.float32)
     dBC_heads = x.new_empty(batch, length, 2, heads, state_size, dtype=torch.float32)
-    dAD_parts = x.new_empty(batch, num_chunks, heads, 2, dtype=torch.float32)
+    dAD_parts = x.new_empty(batch, num_chunks, 2, heads, dtype=torch.float32)
     _ssd_chunk_bwd_kernel[(num_chunks, batch * heads)](
         x, dt, A, B, C, D, segments, states, dstates, dy,
         dxBC, ddt, dBC_heads, dAD_parts,
@@ -176,5 +176,5 @@ def launch_ssd_chunk_scan_bwd(
     # a group's heads summed, dB's and dC's in one reduction, into the last 2 G N columns
     dBC = dBC_heads.view(batch, length, 2, groups, heads // groups, state_size).sum(4)
     dxBC[..., x_channels:].view(batch, length, 2, groups, state_size).copy_(dBC)
-    dA, dD = dAD_parts.sum((0, 1)).unbind(-1)
+    dA, dD = dAD_parts.sum((0, 1))  # contiguous rows: gradients autograd hands on as they are
     return dxBC, ddt, dA, dD, dh0
