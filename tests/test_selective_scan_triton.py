@@ -204,9 +204,10 @@ def test_training_backward_writes_dz_and_dBC_into_given_views(scan):
         scan.selective_scan_bwd(
             u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, wider.transpose(1, 2)[:, :24]
         )
-    with pytest.raises(ValueError, match="dBC must be"):
-        scan.selective_scan_bwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, None,
-                                wider_BC[..., 6:])  # fmt: skip
+    for bad in (wider_BC[..., 6:], wider_BC.double()[..., 5:]):  # a column short; another dtype than B's
+        with pytest.raises(ValueError, match="dBC must be"):
+            scan.selective_scan_bwd(u, dt, A, B, C, D, z, h0, None, dt_bias, True, blocks, residuals, dy, None, None,
+                                    bad)  # fmt: skip
 
 
 def test_the_kernels_take_A_log_in_place_of_A(scan):

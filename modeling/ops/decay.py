@@ -1,6 +1,8 @@
 """The SSM's state decay rates from their log parameter, one definition for every path that reads them: the
-Transformers model's branch, the references and kernels of `mamba_inner`, and vLLM's weight loader and converter
-(vllm_integration/layout.py, which adds the finiteness check a loaded checkpoint needs)."""
+Transformers model's branch, the references of `mamba_inner`, and vLLM's weight loader and converter
+(vllm_integration/layout.py, which adds the finiteness check a loaded checkpoint needs). The Triton kernels that read
+A_log directly (the fused training op's scan, `A_is_log`; the decode steps) compute the same -exp(A_log) in fp32
+themselves (Triton's exp: within an ulp or so of torch's)."""
 
 import torch
 

@@ -18,7 +18,7 @@ by one reduction: deterministic, unlike atomics, at the cost of 2 E N / BLOCK_E 
 [B, T, E] tensor's worth at the default BLOCK_E = 32, N = 16; a larger bwd_block_e shrinks it). Its sum [B, T, 2N]
 is laid out as the [dB, dC] columns of x_proj's output gradient, so the caller can have it written there. dA, dD
 and d(dt_bias) (sums over batch and time) are written per (batch row, chunk) program one after the other into one
-[B, num_chunks, E N + 2E] buffer and summed likewise: each gradient a contiguous view of the sum.
+[B, num_chunks, E N + E (+ E with dt_bias)] buffer and summed likewise: each gradient a contiguous view of the sum.
 """
 
 from typing import TYPE_CHECKING
@@ -301,10 +301,10 @@ def launch_selective_scan_bwd(
     dt_bias / dt_softplus / seq_idx as the forward got them; dz: where to write z's gradient ([B, T, E] in z's
     dtype, channels contiguous: e.g. a column range of the caller's gradient of a wider input), or None for a new
     tensor; dBC: where to write dB and dC side by side ([B, T, 2N], e.g. the last 2N columns of x_proj's output
-    gradient), or None for a new tensor; A_is_log as the forward got it (then dA is A_log's gradient). Returns (du,
-    ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
-    dtypes of the inputs (None for an absent initial state or dt_bias); dB and dC are views of dBC (in its dtype when
-    given)."""
+    gradient, in B's dtype), or None for a new tensor; A_is_log as the forward got it (then dA is A_log's gradient).
+    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
+    dtypes of the inputs (None for an absent initial state or dt_bias); dB and dC are views of dBC (dC a copy when C's
+    dtype is not B's)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = next_power_of_2(state_size)

@@ -164,9 +164,9 @@ def selective_scan_bwd(
         raise ValueError(f"dz must be {tuple(z.shape)} {z.dtype} with contiguous channels, got {tuple(dz.shape)} "
                          f"{dz.dtype} with strides {dz.stride()}")  # fmt: skip
     dBC_shape = (*B.shape[:-1], 2 * B.shape[-1])
-    if dBC is not None and (dBC.shape != dBC_shape or dBC.device != B.device):
-        raise ValueError(f"dBC must be {dBC_shape} (dB and dC side by side) on {B.device}, got {tuple(dBC.shape)} on "
-                         f"{dBC.device}")  # fmt: skip
+    if dBC is not None and (dBC.shape != dBC_shape or dBC.dtype != B.dtype or dBC.device != B.device):
+        raise ValueError(f"dBC must be {dBC_shape} {B.dtype} (dB and dC side by side) on {B.device}, got "
+                         f"{tuple(dBC.shape)} {dBC.dtype} on {dBC.device}")  # fmt: skip
     if d_final_state is not None:
         d_final_state = d_final_state.float().contiguous()
     return launch_selective_scan_bwd(

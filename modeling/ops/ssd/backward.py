@@ -135,7 +135,8 @@ def _ssd_chunk_bwd_kernel(
     b_dg = tl.cumsum(b_dG, 0, reverse=True)
     b_dy = b_dy.to(tl.float32)
     D = tl.load(p_D + i_h).to(tl.float32)
-    o_tp = i_b * s_dx_b + t[:, None] * s_dx_t + i_h * P + o_p[None, :]  # dx: [b, T, H, P], heads contiguous
+    # dx: [b, T, H, P], heads contiguous
+    o_tp = i_b * s_dx_b + t.to(tl.int64)[:, None] * s_dx_t + i_h * P + o_p[None, :]
     tl.store(p_dx + o_tp, (b_dxdt * b_dt[:, None] + D * b_dy).to(p_dx.dtype.element_ty), mask=m_tp)
     b_ddt = tl.sum(b_dxdt * b_x, 1) + b_dg * a
     tl.store(p_ddt + (i_b * T + t) * H + i_h, b_ddt, mask=m_t)  # ddt: contiguous [b, T, H]
@@ -161,7 +162,9 @@ def launch_ssd_chunk_scan_bwd(
     )
 
     x_channels = heads * head_dim
-    dxBC = x.new_empty(batch, length, x_channels + 2 * groups * state_size)  # the kernel writes dx's columns
+    # the kernel writes dx's columns; in the dtype of x, B and C promoted (one dtype in Mamba-2's branch)
+    grad_dtype = torch.promote_types(x.dtype, torch.promote_types(B.dtype, C.dtype))
+    dxBC = x.new_empty(batch, length, x_channels + 2 * groups * state_size, dtype=grad_dtype)
     ddt = x.new_empty(batch, length, heads, dtype=torch.float32)
     dBC_heads = x.new_empty(batch, length, 2, heads, state_size, dtype=torch.float32)
     dAD_parts = x.new_empty(batch, num_chunks, 2, heads, dtype=torch.float32)

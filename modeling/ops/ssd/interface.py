@@ -82,9 +82,9 @@ def ssd_chunk_scan_bwd(
     segments: Tensor | None, dy: Tensor, dfinal: Tensor | None, chunk_size: int, blocks: SSDBlocks,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Gradients (dxBC, ddt, dA, dD, d initial) from dy and the final state's gradient (fp32 contiguous or None),
-    the forward's arguments given again: dxBC those of x, B and C side by side, [b, T, H P + 2 G N] in x's dtype
-    (the layout of Mamba-2's conv output; `split_gradients` gives the three), the others in fp32. The states entering
-    the chunks are recomputed first."""
+    the forward's arguments given again: dxBC those of x, B and C side by side, [b, T, H P + 2 G N] in their promoted
+    dtype (the layout of Mamba-2's conv output; `split_gradients` gives the three), the others in fp32. The states
+    entering the chunks are recomputed first."""
     states, _ = launch_ssd_chunk_walk(
         x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=False
     )
@@ -131,7 +131,8 @@ class SSDChunkScanFunction(torch.autograd.Function):
         dx, dB, dC = split_gradients(dxBC, x, B)
         d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
         return (
-            dx, ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD.to(D.dtype), d_initial,
+            dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD.to(D.dtype),
+            d_initial,
             None, None, None,
         )  # fmt: skip
 
