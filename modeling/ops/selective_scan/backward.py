@@ -302,9 +302,8 @@ def launch_selective_scan_bwd(
     dtype, channels contiguous: e.g. a column range of the caller's gradient of a wider input), or None for a new
     tensor; dBC: where to write dB and dC side by side ([B, T, 2N], e.g. the last 2N columns of x_proj's output
     gradient, in B's dtype), or None for a new tensor; A_is_log as the forward got it (then dA is A_log's gradient).
-    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the
-    dtypes of the inputs (None for an absent initial state or dt_bias); dB and dC are views of dBC (dC a copy when C's
-    dtype is not B's)."""
+    Returns (du, ddt, dA, dB, dC, dD, dz, d_initial_state, d_dt_bias) in the dtypes of the inputs (None for an absent
+    initial state or dt_bias); dB and dC are views of dBC (dC a copy when C's dtype is not B's)."""
     batch_size, seq_len, num_channels = u.shape
     state_size = A.shape[-1]
     block_n = next_power_of_2(state_size)
