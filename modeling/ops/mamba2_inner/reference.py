@@ -6,16 +6,7 @@ import torch.nn.functional as F
 
 from ..causal_conv1d.reference import causal_conv1d_ref, causal_conv1d_update_ref
 from ..decay import decay_rates
-from ..ssd.reference import gated_rms_norm_ref, ssd_chunk_scan_ref, ssd_state_update_ref
-
-
-def split_heads_and_groups(
-    xBC: torch.Tensor, intermediate_size: int, num_heads: int, n_groups: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv's output [..., E + 2GN] as views x [..., Hs, P], B and C [..., G, N]."""
-    group_channels = (xBC.shape[-1] - intermediate_size) // 2
-    x, B, C = xBC.split([intermediate_size, group_channels, group_channels], dim=-1)
-    return x.unflatten(-1, (num_heads, -1)), B.unflatten(-1, (n_groups, -1)), C.unflatten(-1, (n_groups, -1))
+from ..ssd.reference import gated_rms_norm_ref, split_heads_and_groups, ssd_chunk_scan_ref, ssd_state_update_ref
 
 
 def zero_padding(xBC: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:

@@ -151,8 +151,8 @@ def launch_ssd_chunk_scan_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Gradients (dxBC, ddt, dA, dD, d initial_state) from dy [b, T, H, P] and the final state's gradient (None:
     zero), over checked tensors and the recomputed entering states (forward.py): dxBC those of x, B and C side by
-    side, [b, T, H P + 2 G N] in x's dtype; ddt, dA and dD in fp32. The initial state's gradient is None when
-    `has_initial_state` is False."""
+    side, [b, T, H P + 2 G N] in the promoted dtype of x, B and C; ddt, dA and dD in fp32. The initial state's
+    gradient is None when `has_initial_state` is False."""
     batch, length, heads, head_dim = x.shape
     groups, state_size = B.shape[2:]
     shapes = shape_args(x, B, chunk)

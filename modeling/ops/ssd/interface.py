@@ -15,6 +15,7 @@ from torch import Tensor
 from ..triton_utils import check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
 from .forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
+from .reference import split_heads_and_groups
 
 
 def sequence_segments(seq_idx: Tensor | None) -> Tensor | None:
@@ -83,25 +84,13 @@ def ssd_chunk_scan_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:  # fmt: skip
     """Gradients (dxBC, ddt, dA, dD, d initial) from dy and the final state's gradient (fp32 contiguous or None),
     the forward's arguments given again: dxBC those of x, B and C side by side, [b, T, H P + 2 G N] in their promoted
-    dtype (the layout of Mamba-2's conv output; `split_gradients` gives the three), the others in fp32. The states
-    entering the chunks are recomputed first."""
+    dtype (the layout of Mamba-2's conv output; `split_heads_and_groups` gives the three), the others in fp32. The
+    states entering the chunks are recomputed first."""
     states, _ = launch_ssd_chunk_walk(
         x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=False
     )
     return launch_ssd_chunk_scan_bwd(
         x, dt, A, B, C, D, segments, states, dy, dfinal, initial is not None, chunk_size, blocks
-    )
-
-
-def split_gradients(dxBC: Tensor, x: Tensor, B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dxBC [b, T, H P + 2 G N] as views dx [b, T, H, P], dB and dC [b, T, G, N]."""
-    heads, head_dim = x.shape[2:]
-    groups, state_size = B.shape[2:]
-    dx, dB, dC = dxBC.split([heads * head_dim, groups * state_size, groups * state_size], dim=-1)
-    return (
-        dx.unflatten(-1, (heads, head_dim)),
-        dB.unflatten(-1, (groups, state_size)),
-        dC.unflatten(-1, (groups, state_size)),
     )
 
 
@@ -128,7 +117,7 @@ class SSDChunkScanFunction(torch.autograd.Function):
         dxBC, ddt, dA, dD, dh0 = ssd_chunk_scan_bwd(
             x, dt, A, B, C, D, initial, segments, dy, dfinal, ctx.chunk_size, ctx.blocks
         )
-        dx, dB, dC = split_gradients(dxBC, x, B)
+        dx, dB, dC = split_heads_and_groups(dxBC, x.shape[2] * x.shape[3], x.shape[2], B.shape[2])
         d_initial = dh0.to(ctx.initial_dtype) if dh0 is not None else None
         return (
             dx.to(x.dtype), ddt.to(dt.dtype), dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD.to(D.dtype),

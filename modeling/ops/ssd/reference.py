@@ -22,6 +22,15 @@ import torch.nn.functional as F
 from ..selective_scan.reference import dt_step
 
 
+def split_heads_and_groups(
+    xBC: torch.Tensor, intermediate_size: int, num_heads: int, n_groups: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., E + 2GN] (Mamba-2's conv output, or its gradient) as views x [..., Hs, P], B and C [..., G, N]."""
+    group_channels = (xBC.shape[-1] - intermediate_size) // 2
+    x, B, C = xBC.split([intermediate_size, group_channels, group_channels], dim=-1)
+    return x.unflatten(-1, (num_heads, -1)), B.unflatten(-1, (n_groups, -1)), C.unflatten(-1, (n_groups, -1))
+
+
 def _heads_per_group(num_heads: int, B: torch.Tensor) -> int:
     groups = B.shape[2]
     if num_heads % groups:
