@@ -108,10 +108,11 @@ def python_profile(step, steps: int, top: int) -> str:
     return table.getvalue()
 
 
-def timed_steps(step, args, device: str) -> list[float]:
-    """Milliseconds per call of `step`, one figure per repeat of `args.steps` calls (host time on a GPU)."""
+def timed_steps(step, args, device: str, repeats: int | None = None) -> list[float]:
+    """Milliseconds per call of `step`, one figure per repeat of `args.steps` calls (host time on a GPU);
+    `args.repeats` repeats unless given."""
     times = []
-    for _ in range(args.repeats):
+    for _ in range(args.repeats if repeats is None else repeats):
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -141,38 +142,60 @@ def decode_host_work(args, device: str) -> dict:
     prompt = torch.randint(3, shape["vocab_size"], (args.batch, prompt_len), generator=generator).to(device)
     # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
     mask = torch.ones(args.batch, max_len, dtype=torch.long, device=device)
-    results = {}
     paths = (("fused", "hybrid"), ("modules", "hybrid"), ("mamba2", "hybrid-mamba2"), ("mistral", "swa"))
-    for path, model in ((path, models[name]) for path, name in paths):
-        hooks = []
-        if path == "modules":
-            hooks = [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
-        with torch.inference_mode():
+
+    def module_path_hooks(path: str, model) -> list:
+        if path != "modules":
+            return []
+        return [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
+
+    # Each path on its own cache; the paths timed in turn, one repeat each, the order reversed every other round, so
+    # that the host's drift during the run (its clock, the processes beside it) falls on all of them alike.
+    steps, counts, times = {}, {}, {path: [] for path, _ in paths}
+    with torch.inference_mode():
+        for path, name in paths:
+            model = models[name]
             out = model(prompt, attention_mask=mask[:, :prompt_len], use_cache=True)
             cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
 
-            def step(model=model, cache=cache, token=token, mask=mask):
+            def step(model=model, cache=cache, token=token):
                 length = cache.get_seq_length() + 1
                 model(token, attention_mask=mask[:, :length], past_key_values=cache, use_cache=True)
 
+            steps[path] = step
+            hooks = module_path_hooks(path, model)
             step()
             launches, counter = collections.Counter(), CountOps()
             with counting_triton_launches(launches), counter:
                 step()
-            times = timed_steps(step, args, device)
-            profile = python_profile(step, args.steps, args.python_profile) if args.python_profile else None
+            counts[path] = (launches, counter)
+            for hook in hooks:
+                hook.remove()
+        for round_ in range(args.repeats):
+            for path, name in paths if round_ % 2 == 0 else paths[::-1]:
+                hooks = module_path_hooks(path, models[name])
+                times[path] += timed_steps(steps[path], args, device, repeats=1)
+                for hook in hooks:
+                    hook.remove()
+    results = {}
+    for path, name in paths:
+        model = models[name]
+        hooks = module_path_hooks(path, model)
+        with torch.inference_mode():
+            profile = python_profile(steps[path], args.steps, args.python_profile) if args.python_profile else None
         if args.static_graph:
             results[path + "_static_graph"] = static_graph_launches(model, prompt, device)
             print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
         for hook in hooks:
             hook.remove()
+        launches, counter = counts[path]
         aten_ops = sum(counter.ops.values())
         results[path] = {
             "aten_ops": aten_ops,
             "aten_ops_per_layer": round(aten_ops / layers, 2),
             "triton_launches_per_layer": round(sum(launches.values()) / layers, 2),
-            "host_ms_median": round(statistics.median(times), 4),
-            "host_ms": [round(t, 4) for t in times],
+            "host_ms_median": round(statistics.median(times[path]), 4),
+            "host_ms": [round(t, 4) for t in times[path]],
             "ops_per_layer": {op: round(n / layers, 2) for op, n in counter.ops.most_common()},
         }
         if profile is not None:
@@ -180,8 +203,13 @@ def decode_host_work(args, device: str) -> dict:
         print(
             f"{path:8s} aten ops {aten_ops:5d} ({aten_ops / layers:6.2f} a layer)  Triton launches "
             f"{results[path]['triton_launches_per_layer']:.0f} a layer  host {results[path]['host_ms_median']:.3f} ms "
-            f"per step (median of {args.repeats} x {args.steps})"
+            f"per step (median of {args.repeats} x {args.steps}, the paths interleaved)"
         )
+    mistral = results["mistral"]["host_ms_median"]
+    print(
+        "host work a step / Mistral's:",
+        {path: round(results[path]["host_ms_median"] / mistral, 3) for path, _ in paths},
+    )
     if device == "cuda" and not args.stub_kernels:
         results["launch_costs"] = launch_costs(models["hybrid"], args)
         print("launch costs (us a call):", json.dumps(results["launch_costs"]))
