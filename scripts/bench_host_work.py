@@ -277,7 +277,7 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
     """What Inductor makes of one static-cache decode step (generate()'s compiled step, fullgraph), per layer: the
     kernels it generates (fused elementwise and reductions), and the calls it leaves to others, each a launch of its
     own: GEMMs (linear), attention (sdpa) and this project's custom ops (two Triton launches for `mamba_inner_step`,
-    one for each other). On a CPU machine Inductor's C++ backend splits a step into more kernels than its Triton
+    three for `mamba2_inner_step`, one for each other). On a CPU machine Inductor's C++ backend splits a step into more kernels than its Triton
     backend does (its totals are not a GPU's): read the differences between the models, not the totals."""
     from torch._inductor import metrics
     from torch._inductor.compile_fx import compile_fx
@@ -305,8 +305,9 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
         step = torch.compile(model.forward, fullgraph=True, backend=counting_inductor)
         step(prompt[:, -1:], attention_mask=mask, past_key_values=cache, position_ids=positions, use_cache=True)
     layers = model.config.num_hidden_layers
-    custom = {name: n for name, n in calls.items() if name in ("mamba_inner_step", "causal_conv1d_update",
-                                                               "selective_state_update")}  # fmt: skip
+    custom_ops = ("mamba_inner_step", "mamba2_inner_step", "causal_conv1d_update", "selective_state_update",
+                  "ssd_state_update")  # fmt: skip
+    custom = {name: n for name, n in calls.items() if name in custom_ops}
     return {
         "generated_kernels_per_layer": round(metrics.generated_kernel_count / layers, 2),
         "gemms_per_layer": round(calls["linear"] / layers, 2),

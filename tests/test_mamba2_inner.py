@@ -394,3 +394,47 @@ def test_the_step_rejects_bad_arguments_by_name(inner):
         inner.mamba2_inner_step(zxbcdt, **tensors, **args, **{**caches, "conv_state": torch.zeros(1, 24, 3)})
     with pytest.raises(ValueError, match="padding_mask: expected"):
         inner.mamba2_inner_step(zxbcdt, **tensors, **args, **caches, padding_mask=torch.ones(2))
+
+
+def test_the_step_runs_no_aten_op_between_its_launches(inner, monkeypatch):
+    """The decode step with a padding mask and bf16 weights: on the host only its outputs' allocations and views of
+    its inputs, then its three launches. The padding (a zero conv input, a zero step), row i's cache row and A =
+    -exp(A_log) are the kernels' work: an aten op here is a launch more per layer in a CUDA graph and an op more in
+    every dynamic-cache generate() step. The launches run outside the count (on CPU machines the interpreter copies
+    tensors with aten ops of its own), each counted once."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from triton.runtime import interpreter, jit
+
+    class Ops(TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    for cls in (interpreter.InterpretedFunction, jit.JITFunction):
+        original = cls.run
+
+        def run(self, *args, _original=original, **kwargs):
+            launches.append(getattr(self, "fn", self).__name__)
+            with _disable_current_modes():
+                return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "run", run)
+
+    batch, heads, head_dim, groups, state = 3, 6, 6, 3, 5
+    tensors = {
+        k: v.to(DEVICE, torch.bfloat16) for k, v in random_branch(batch, 1, heads, head_dim, groups, state).items()
+    }
+    zxbcdt = tensors.pop("zxbcdt")
+    conv_channels = heads * head_dim + 2 * groups * state
+    conv_state = torch.randn(batch, conv_channels, 3, device=DEVICE, dtype=torch.bfloat16)
+    ssm_state = torch.randn(batch, heads, head_dim, state, device=DEVICE)
+    mask = torch.tensor([[1], [0], [1]], device=DEVICE)
+    with Ops() as ops:
+        inner.mamba2_inner_step(zxbcdt, **tensors, n_groups=groups, eps=1e-5, conv_state=conv_state,
+                                ssm_state=ssm_state, padding_mask=mask)  # fmt: skip
+    allowed = {"empty", "new_empty", "view", "slice", "select", "as_strided", "t", "transpose"}
+    assert len(launches) == 3, launches
+    assert set(ops.names) <= allowed, sorted(set(ops.names) - allowed)

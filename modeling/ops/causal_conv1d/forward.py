@@ -309,24 +309,31 @@ def conv_update_channels(
 
 @triton.jit
 def _causal_conv1d_update_kernel(
-    p_x, p_w, p_bias, p_state, p_state_indices, p_has_initial_state, p_out,
-    E, s_x_r, s_x_e, s_w_e, s_w_k, s_st_slot, s_st_e, s_st_k, s_o_r, s_o_e,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
-    SILU: tl.constexpr, BLOCK_E: tl.constexpr,
+    p_x, p_w, p_bias, p_state, p_state_indices, p_has_initial_state, p_mask, p_out,
+    E, s_x_r, s_x_e, s_w_e, s_w_k, s_st_slot, s_st_e, s_st_k, s_mask, s_o_r, s_o_e,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INDICES: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr, HAS_MASK: tl.constexpr, SILU: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """One decode step of request i_r for channels i_e*BLOCK_E.. (`causal_conv1d_update_ref`): window = (slot's
     history [K-1], x), out = act(window . weight + bias), slot <- window[1:]. Padding rows (slot -1) write zeros; a
-    row whose has_initial_state flag is False reads a zero history (its request's first token)."""
+    row whose has_initial_state flag is False reads a zero history (its request's first token). Without
+    HAS_INDICES request i owns slot i; with HAS_MASK a row whose mask is 0 (a padding token of generate()'s batch)
+    steps with a zero input, which enters its history as the scan's padding does."""
     i_e, i_r = tl.program_id(0), tl.program_id(1)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
-    slot = tl.load(p_state_indices + i_r)
+    if HAS_INDICES:
+        slot = tl.load(p_state_indices + i_r)
+    else:
+        slot = i_r
     is_real = slot >= 0
     reads_history = is_real
     if HAS_INITIAL_FLAGS:
         reads_history = reads_history & (tl.load(p_has_initial_state + i_r) != 0)
 
     b_x = tl.load(p_x + i_r.to(tl.int64) * s_x_r + o_e * s_x_e, mask=m_e, other=0.0).to(tl.float32)
+    if HAS_MASK:
+        b_x = tl.where(tl.load(p_mask + i_r * s_mask) != 0, b_x, 0.0)
     p_slot = p_state + slot.to(tl.int64) * s_st_slot + o_e[None, :] * s_st_e
     b_y = conv_update_channels(
         b_x, p_slot, s_st_k, is_real, reads_history, o_e, m_e, p_w, s_w_e, s_w_k, p_bias, K, BLOCK_K, HAS_BIAS, SILU
@@ -335,13 +342,15 @@ def _causal_conv1d_update_kernel(
 
 
 def launch_causal_conv1d_update(
-    x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, state_indices: Tensor,
+    x: Tensor, weight: Tensor, bias: Tensor | None, conv_state: Tensor, state_indices: Tensor | None,
     has_initial_state: Tensor | None, out: Tensor,
     *,
-    activation: str | None, block_e: int | None = None, num_warps: int | None = None,
+    activation: str | None, padding_mask: Tensor | None = None, block_e: int | None = None,
+    num_warps: int | None = None,
 ) -> None:  # fmt: skip
-    """`_causal_conv1d_update_kernel`: one decode step per row of x [R, E] into out [R, E] and conv_state; block_e
-    and num_warps None pick up to 256 channels a program and 4 warps."""
+    """`_causal_conv1d_update_kernel`: one decode step per row of x [R, E] into out [R, E] and conv_state;
+    state_indices None: row i owns slot i; padding_mask [R, 1] (0: the row steps with a zero input) or None;
+    block_e and num_warps None pick up to 256 channels a program and 4 warps."""
     num_requests, num_channels = x.shape
     block_e = block_e or min(256, next_power_of_2(num_channels))
     num_warps = num_warps or 4
@@ -353,16 +362,20 @@ def launch_causal_conv1d_update(
         p_state=conv_state,
         p_state_indices=state_indices,
         p_has_initial_state=has_initial_state,
+        p_mask=padding_mask,
         p_out=out,
         E=num_channels,
         **stride_args("x", x, "re"),
         **stride_args("w", weight, "ek"),
         **stride_args("st", conv_state, ("slot", "e", "k")),
+        s_mask=padding_mask.stride(0) if padding_mask is not None else 0,
         **stride_args("o", out, "re"),
         K=weight.shape[1],
         BLOCK_K=next_power_of_2(weight.shape[1]),
         HAS_BIAS=bias is not None,
+        HAS_INDICES=state_indices is not None,
         HAS_INITIAL_FLAGS=has_initial_state is not None,
+        HAS_MASK=padding_mask is not None,
         SILU=activation == "silu",
         BLOCK_E=block_e,
         num_warps=num_warps,

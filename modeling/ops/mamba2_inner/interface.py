@@ -23,7 +23,7 @@ from ..ssd.forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, pick_ssd_blocks
 from ..ssd.gated_norm import gated_rms_norm_bwd, gated_rms_norm_fwd, launch_gated_rms_norm_fwd
 from ..ssd.interface import check_ssd_inputs, sequence_segments, ssd_chunk_scan_bwd, ssd_chunk_scan_fwd
 from ..triton_utils import check_index
-from .reference import mask_padding_step, split_heads_and_groups, step_sizes, zero_padding
+from .reference import split_heads_and_groups, step_sizes, zero_padding
 
 
 class Mamba2InnerFunction(torch.autograd.Function):
@@ -244,25 +244,30 @@ def _mamba2_inner_step(
         return
 
     # in_proj's output read through its row stride: z, the conv's input and the step before its bias are column
-    # ranges of one [B, width] view.
+    # ranges of one [B, width] view. The kernels mask the padding rows (a zero conv input, a zero step), row i owns
+    # cache row i, and A = -exp(A_log) is taken in the state update: no aten op runs between the launches (a
+    # compiled step would capture each as a graph node of its own).
     row_in = zxbcdt.view(num_rows, -1)
     z, xBC, dt = row_in[:, :intermediate_size], row_in[:, intermediate_size:-num_heads], row_in[:, -num_heads:]
-    xBC, dt = mask_padding_step(xBC, dt, padding_mask)
     xBC_conv = torch.empty(num_rows, conv_channels, dtype=zxbcdt.dtype, device=zxbcdt.device)
-    rows = torch.arange(num_rows, device=zxbcdt.device, dtype=torch.int32)  # row i owns cache row i
-    launch_causal_conv1d_update(xBC, conv_weight[:, 0], conv_bias, conv_state, rows, None, xBC_conv, activation="silu")
+    launch_causal_conv1d_update(
+        xBC, conv_weight[:, 0], conv_bias, conv_state, None, None, xBC_conv, activation="silu",
+        padding_mask=padding_mask,
+    )  # fmt: skip
 
     # x [B, Hs, P], B and C [B, G, N] are read in place in the conv's output, at columns 0, E and E + GN.
     y = torch.empty(num_rows, intermediate_size, dtype=zxbcdt.dtype, device=zxbcdt.device)
     row_stride, group_channels = xBC_conv.stride(0), n_groups * state_size
     ssd = SSDUpdateArgs(
         ssm_state, *ssm_state.stride(), xBC_conv, row_stride, head_dim, dt, dt.stride(0), dt_bias,
-        decay_rates(A_log), D, xBC_conv[:, intermediate_size:], row_stride, state_size,
+        A_log, D, xBC_conv[:, intermediate_size:], row_stride, state_size,
         xBC_conv[:, intermediate_size + group_channels :], row_stride, state_size, y, intermediate_size, head_dim,
         dt, dt, num_heads, head_dim, state_size, num_heads // n_groups,
+        padding_mask if padding_mask is not None else dt, padding_mask.stride(0) if padding_mask is not None else 0,
     )  # fmt: skip
     launch_ssd_state_update(
-        ssd, num_rows, has_indices=False, has_initial_flags=False, has_dt_bias=True, dt_softplus=True
+        ssd, num_rows, has_indices=False, has_initial_flags=False, has_dt_bias=True, dt_softplus=True,
+        has_mask=padding_mask is not None, a_is_log=True,
     )  # fmt: skip
     launch_gated_rms_norm_fwd(y, z, norm_weight, out, intermediate_size // n_groups, eps)
 

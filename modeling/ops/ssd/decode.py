@@ -39,7 +39,7 @@ class SSDUpdateArgs(NamedTuple):
     dt: torch.Tensor  # [R, H]
     s_dt_r: int
     dt_bias: torch.Tensor  # [H]; A stands in (never read) without HAS_DT_BIAS
-    A: torch.Tensor  # [H] fp32
+    A: torch.Tensor  # [H] fp32; with A_IS_LOG, A_log [H] (A = -exp(A_log)) in any float dtype
     D: torch.Tensor  # [H]
     B: torch.Tensor  # [R, G, N]
     s_B_r: int
@@ -56,17 +56,22 @@ class SSDUpdateArgs(NamedTuple):
     P: int
     N: int
     heads_per_group: int
+    padding_mask: torch.Tensor  # [R], 0 for a padding row; dt stands in without HAS_MASK
+    s_mask_r: int
 
 
 @triton.jit
 def ssd_state_step(
     ssd, i_r, i_h, i_p, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr,
-    HAS_INITIAL_FLAGS: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_INITIAL_FLAGS: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_MASK: tl.constexpr,
+    A_IS_LOG: tl.constexpr,
 ):  # fmt: skip
     """Request `i_r`, head `i_h`, head channels [i_p * BLOCK_P, (i_p + 1) * BLOCK_P) (`ssd`: an SSDUpdateArgs): the
     state steps by exp(dt A) h + dt x B^T, and y = h C + D x from the fp32 state (the stored one is rounded to the
     cache's dtype). B and C are the head's group's (heads_per_group consecutive heads share one). A request whose
-    has_initial flag is False starts from a zero state, whatever its slot holds."""
+    has_initial flag is False starts from a zero state, whatever its slot holds. HAS_MASK: a padding row
+    (padding_mask 0) steps by zero, its state stays as it was (what a step of -inf before softplus does); A_IS_LOG:
+    `ssd.A` holds A_log and A = -exp(A_log) is taken here (no launch for it on the host)."""
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = tl.arange(0, BLOCK_N)
     m_p, m_n = o_p < ssd.P, o_n < ssd.N
@@ -88,7 +93,11 @@ def ssd_state_step(
         b_dt += tl.load(ssd.dt_bias + i_h).to(tl.float32)
     if DT_SOFTPLUS:
         b_dt = softplus(b_dt)
+    if HAS_MASK:
+        b_dt = tl.where(tl.load(ssd.padding_mask + i_r * ssd.s_mask_r) != 0, b_dt, 0.0)
     b_A = tl.load(ssd.A + i_h).to(tl.float32)
+    if A_IS_LOG:
+        b_A = -tl.exp(b_A)
     b_D = tl.load(ssd.D + i_h).to(tl.float32)
     b_x = tl.load(ssd.x + i_r * ssd.s_x_r + i_h * ssd.s_x_h + o_p, mask=m_p, other=0.0).to(tl.float32)
     i_g = i_h // ssd.heads_per_group
@@ -104,9 +113,9 @@ def ssd_state_step(
 @triton.jit
 def _ssd_state_update_kernel(
     ssd, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_INITIAL_FLAGS: tl.constexpr,
-    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_MASK: tl.constexpr, A_IS_LOG: tl.constexpr,
 ):  # fmt: skip
-    """Kernel of `ssd_state_update`. Grid (R, H, cdiv(P, BLOCK_P))."""
+    """Kernel of `ssd_state_update` and of the Mamba-2 branch's decode step. Grid (R, H, cdiv(P, BLOCK_P))."""
     ssd_state_step(
         ssd,
         tl.program_id(0),
@@ -118,6 +127,8 @@ def _ssd_state_update_kernel(
         HAS_INITIAL_FLAGS,
         HAS_DT_BIAS,
         DT_SOFTPLUS,
+        HAS_MASK,
+        A_IS_LOG,
     )
 
 
@@ -194,7 +205,7 @@ def ssd_update_args(
         state_cache, *state_cache.stride(), x, *x.stride()[:2], dt, dt.stride(0),
         dt_bias if dt_bias is not None else A, A, D, B, *B.stride()[:2], C, *C.stride()[:2], out, *out.stride()[:2],
         state_indices if state_indices is not None else dt, has_initial_state if has_initial_state is not None else dt,
-        num_heads, head_dim, state_size, num_heads // num_groups,
+        num_heads, head_dim, state_size, num_heads // num_groups, dt, 0,
     )  # fmt: skip
 
 
@@ -223,13 +234,16 @@ def _ssd_state_update(
 
 def launch_ssd_state_update(
     ssd: SSDUpdateArgs, num_requests: int, *, has_indices: bool, has_initial_flags: bool, has_dt_bias: bool,
-    dt_softplus: bool,
+    dt_softplus: bool, has_mask: bool = False, a_is_log: bool = False,
 ) -> None:  # fmt: skip
-    """`_ssd_state_update_kernel` over checked arguments (`ssd_update_args`'s or a caller's own), num_requests >= 1."""
+    """`_ssd_state_update_kernel` over checked arguments (`ssd_update_args`'s or a caller's own), num_requests >= 1.
+    has_mask: `ssd.padding_mask` holds the rows' padding mask; a_is_log: `ssd.A` holds A_log (the branch's decode
+    step, modeling/ops/mamba2_inner)."""
     block_p = pick_ssd_block_p(ssd.P, ssd.N)
     _ssd_state_update_kernel[(num_requests, ssd.H, cdiv(ssd.P, block_p))](
         ssd, BLOCK_P=block_p, BLOCK_N=next_power_of_2(ssd.N), HAS_INDICES=has_indices,
-        HAS_INITIAL_FLAGS=has_initial_flags, HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus,
+        HAS_INITIAL_FLAGS=has_initial_flags, HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus, HAS_MASK=has_mask,
+        A_IS_LOG=a_is_log,
     )  # fmt: skip
 
 
