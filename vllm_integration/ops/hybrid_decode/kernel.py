@@ -120,7 +120,7 @@ def _hybrid_decode_kernel(
             head_blocks = tl.cdiv(ssm.P, BLOCK_E)
             ssd_state_step(
                 ssm, i_req, i_block // head_blocks, i_block % head_blocks, BLOCK_E, BLOCK_N, HAS_INDICES,
-                HAS_INITIAL_FLAGS, HAS_DT_BIAS, DT_SOFTPLUS, False, False,
+                HAS_INITIAL_FLAGS, HAS_DT_BIAS, DT_SOFTPLUS, False, False,  # no padding rows in vLLM's batch; A given
             )  # fmt: skip
         else:
             ssm_state_update(ssm, i_req, i_block, BLOCK_E, BLOCK_N, HAS_INITIAL_FLAGS)
