@@ -144,10 +144,17 @@ def decode_host_work(args, device: str) -> dict:
     mask = torch.ones(args.batch, max_len, dtype=torch.long, device=device)
     paths = (("fused", "hybrid"), ("modules", "hybrid"), ("mamba2", "hybrid-mamba2"), ("mistral", "swa"))
 
-    def module_path_hooks(path: str, model) -> list:
-        if path != "modules":
-            return []
-        return [layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers]
+    @contextlib.contextmanager
+    def on_path(path: str, model):
+        """The `modules` path: a no-op hook on every x_proj for the block; the others as they are."""
+        hooks = [] if path != "modules" else [
+            layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers
+        ]  # fmt: skip
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
     # Each path on its own cache; the paths timed in turn, one repeat each, the order reversed every other round, so
     # that the host's drift during the run (its clock, the processes beside it) falls on all of them alike.
@@ -163,31 +170,25 @@ def decode_host_work(args, device: str) -> dict:
                 model(token, attention_mask=mask[:, :length], past_key_values=cache, use_cache=True)
 
             steps[path] = step
-            hooks = module_path_hooks(path, model)
-            step()
-            launches, counter = collections.Counter(), CountOps()
-            with counting_triton_launches(launches), counter:
+            with on_path(path, model):
                 step()
+                launches, counter = collections.Counter(), CountOps()
+                with counting_triton_launches(launches), counter:
+                    step()
             counts[path] = (launches, counter)
-            for hook in hooks:
-                hook.remove()
         for round_ in range(args.repeats):
             for path, name in paths if round_ % 2 == 0 else paths[::-1]:
-                hooks = module_path_hooks(path, models[name])
-                times[path] += timed_steps(steps[path], args, device, repeats=1)
-                for hook in hooks:
-                    hook.remove()
+                with on_path(path, models[name]):
+                    times[path] += timed_steps(steps[path], args, device, repeats=1)
     results = {}
     for path, name in paths:
         model = models[name]
-        hooks = module_path_hooks(path, model)
-        with torch.inference_mode():
-            profile = python_profile(steps[path], args.steps, args.python_profile) if args.python_profile else None
-        if args.static_graph:
-            results[path + "_static_graph"] = static_graph_launches(model, prompt, device)
-            print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
-        for hook in hooks:
-            hook.remove()
+        with on_path(path, model):
+            with torch.inference_mode():
+                profile = python_profile(steps[path], args.steps, args.python_profile) if args.python_profile else None
+            if args.static_graph:
+                results[path + "_static_graph"] = static_graph_launches(model, prompt, device)
+                print(f"{path:8s} static-cache step under Inductor: {results[path + '_static_graph']}")
         launches, counter = counts[path]
         aten_ops = sum(counter.ops.values())
         results[path] = {
@@ -277,8 +278,9 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
     """What Inductor makes of one static-cache decode step (generate()'s compiled step, fullgraph), per layer: the
     kernels it generates (fused elementwise and reductions), and the calls it leaves to others, each a launch of its
     own: GEMMs (linear), attention (sdpa) and this project's custom ops (two Triton launches for `mamba_inner_step`,
-    three for `mamba2_inner_step`, one for each other). On a CPU machine Inductor's C++ backend splits a step into more kernels than its Triton
-    backend does (its totals are not a GPU's): read the differences between the models, not the totals."""
+    three for `mamba2_inner_step`, one for each other). On a CPU machine Inductor's C++ backend splits a step into
+    more kernels than its Triton backend does (its totals are not a GPU's): read the differences between the
+    models, not the totals."""
     from torch._inductor import metrics
     from torch._inductor.compile_fx import compile_fx
     from transformers import StaticCache
