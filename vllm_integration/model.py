@@ -35,6 +35,7 @@ from vllm.model_executor.models.utils import (
     make_empty_intermediate_tensors_factory,
     make_layers,
 )
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from configuration import HybridConfig
@@ -235,6 +236,18 @@ class HybridForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsLoRA, Suppor
             )
         if vllm_config.speculative_config is not None:
             raise ValueError("HybridForCausalLM does not support speculative decoding yet")
+        lora_config = vllm_config.lora_config
+        if lora_config is not None and current_platform.is_cuda_alike():
+            # vLLM's GPU LoRA kernels (punica's Triton ops) take half-precision activations and adapters only: on an
+            # fp32 model they fail an assert inside the first batch with an adapter, after the engine started.
+            # (LoRAConfig resolves its lora_dtype, "auto" by default, to the model's when the VllmConfig is built.)
+            dtypes = {vllm_config.model_config.dtype, lora_config.lora_dtype}
+            if not dtypes <= {torch.float16, torch.bfloat16}:
+                raise ValueError(
+                    f"LoRA on a GPU needs a float16 or bfloat16 model and adapters (vLLM's LoRA kernels take no other "
+                    f"dtype): got model dtype {vllm_config.model_config.dtype} and lora_dtype "
+                    f"{lora_config.lora_dtype}; serve with --dtype bfloat16"
+                )
         rewind_cpu_generators_of_discarded_samples()
         skip_rows_without_adapter_in_cpu_lora_ops()
         # Piecewise compilation must cut the graph at the hybrid op as at vLLM's own attention ops: it reads
