@@ -9,6 +9,7 @@ same shapes: random weights, greedy, the batch prefilled and then decoded token 
     python scripts/bench_generate.py --smoke                          # tiny models on CPU (fp32)
     python scripts/bench_generate.py --caches static --skip-module-guards   # both models' compiled step without
                                                                       # Dynamo's guards on modules and parameters
+    python scripts/bench_generate.py --caches static --freezing       # ... with the weights folded into the graph
 
 Per model and cache: the median over `--repeats` runs (after one warm-up, which compiles the decode step of a static
 cache: `generate()` does so on CUDA with CUDA graphs) of the whole `generate()` and of the prefill alone
@@ -163,6 +164,12 @@ def main(argv=None) -> int:
         "(torch.compiler.skip_guard_on_all_nn_modules_unsafe, through the generation config's CompileConfig): "
         "what the guard check costs each step, which grows with a model's parameter tensors",
     )
+    parser.add_argument(
+        "--freezing",
+        action="store_true",
+        help="compile every model's static-cache decode step with Inductor's freezing (the weights folded into the "
+        "graph as constants, so that they are no longer its inputs): what the compiled step's per-input work costs",
+    )
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--commit", help="the commit to record (default: git rev-parse HEAD)")
     args = parser.parse_args(argv)
@@ -190,19 +197,18 @@ def main(argv=None) -> int:
     if device == "cuda":
         torch._logging.set_logs(perf_hints=True)  # why Inductor skips CUDA graphs for a graph, if it does
     models = build_models(shape, args.prompt_len + args.new_tokens, device, dtype, names)
-    if args.skip_module_guards:
+    if args.skip_module_guards or args.freezing:
         from transformers import CompileConfig
 
+        # generate()'s default mode, "reduce-overhead", is Inductor's CUDA graphs: torch.compile takes a mode or
+        # options, not both
+        options = {"triton.cudagraphs": True}
+        if args.skip_module_guards:
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        if args.freezing:
+            options["freezing"] = True
         for model in models.values():
-            # generate()'s default mode, "reduce-overhead", is Inductor's CUDA graphs: torch.compile takes a mode or
-            # options, not both
-            model.generation_config.compile_config = CompileConfig(
-                mode=None,
-                options={
-                    "triton.cudagraphs": True,
-                    "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-                },
-            )
+            model.generation_config.compile_config = CompileConfig(mode=None, options=options)
     meta = {
         "commit": args.commit or head_commit(),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -217,6 +223,7 @@ def main(argv=None) -> int:
             "shape": {key: value for key, value in shape.items() if not isinstance(value, tuple)},
             "attn_implementation": models["swa"].config._attn_implementation,
             "skip_module_guards": args.skip_module_guards,
+            "freezing": args.freezing,
         },
     }
     results = {}
