@@ -33,6 +33,12 @@
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #   bash scripts/device_check.sh both K ARGS...    # on the two-GPU kind, in one call: `vllm K` on GPU 0 (no TP 2)
 #                                          # while `serving ARGS` runs on GPU 1
+#   bash scripts/device_check.sh ab BASE [ARGS]   # this tree's kernel benchmarks against the tree in folder BASE, each
+#                                          # tree's own bench_kernels.py in fresh processes, ABBA order (bench_ab.py;
+#                                          # ARGS go to it, default `--rounds 2 --only scan,conv,prefill,decode`). BASE is
+#                                          # made here and carried, e.g. the tree before the history-branch seam:
+#                                          # `mkdir seam-base && git archive 4f1aa59 modeling configuration scripts
+#                                          # vllm_integration | tar -x -C seam-base` (seam-base/ in .git/info/exclude)
 #
 # Tensor and pipeline parallel on the two-GPU kind, in two calls of one lease (each inside the 10-minute limit):
 #   bash scripts/device_check.sh vllm "tensor_parallel or pipeline_parallel or lora"   # TP 2, PP 2, LoRA at TP 1/2
@@ -196,8 +202,16 @@ case "${1:-kernels}" in
     echo "=== serving $* (GPU 1)"; tail -n 30 "$OUT/both-serving.log"
     exit $((tests_status || serving_status))
     ;;
+  ab)
+    base=${2?usage: $0 ab BASE [ARGS]}
+    shift 2
+    (($#)) || set -- --rounds 2 --only scan,conv,prefill,decode
+    timeout 560 python3 scripts/bench_ab.py --base "$base" --log-dir "$OUT/ab_logs" --json "$OUT/ab.json" "$@" 2>&1 \
+      | tee "$OUT/ab.log" | tail -40
+    exit "${PIPESTATUS[0]}"
+    ;;
   *)
-    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS" >&2
+    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]" >&2
     exit 2
     ;;
 esac
