@@ -207,16 +207,17 @@ class HybridAttention(nn.Module):
         )
         attn_output = attn_output.reshape(*input_shape, -1)  # [B, T, H*D]
 
-        # 2. History branch on the same input, summed before the output projection. With config.ssm_branch_norm the
-        #    attention's output and the branch's (where there is one) are each normalised per head and scaled first.
+        # 2. History branch on the same input, summed before the output projection (by the branch's own output
+        #    projection: `add_to`). With config.ssm_branch_norm the attention's output and the branch's (where there
+        #    is one) are each normalised per head and scaled first.
         if self.config.ssm_branch_norm:
             eps = self.config.rms_norm_eps
             attn_output = self.attn_branch_scale * rms_normalize_heads(attn_output, self.head_dim, eps)
-        if self.ssm is not None:
-            ssm_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
-            if self.config.ssm_branch_norm:
-                ssm_output = self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
-            attn_output = attn_output + ssm_output
+            if self.ssm is not None:
+                ssm_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx)
+                attn_output = attn_output + self.ssm_branch_scale * rms_normalize_heads(ssm_output, self.head_dim, eps)
+        elif self.ssm is not None:
+            attn_output = self.ssm(hidden_states, past_key_values, padding_mask, seq_idx, add_to=attn_output)
         return self.o_proj(attn_output), attn_weights
 
 

@@ -277,10 +277,10 @@ def launch_costs(model, args) -> dict:
 def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
     """What Inductor makes of one static-cache decode step (generate()'s compiled step, fullgraph), per layer: the
     kernels it generates (fused elementwise and reductions), and the calls it leaves to others, each a launch of its
-    own: GEMMs (linear), attention (sdpa) and this project's custom ops (two Triton launches for `mamba_inner_step`,
-    three for `mamba2_inner_step`, one for each other). On a CPU machine Inductor's C++ backend splits a step into
-    more kernels than its Triton backend does (its totals are not a GPU's): read the differences between the
-    models, not the totals."""
+    own: GEMMs (linear, and addmm: a branch's out_proj with the sum it adds), attention (sdpa) and this project's
+    custom ops (two Triton launches for `mamba_inner_step`, three for `mamba2_inner_step`, one for each other). On a
+    CPU machine Inductor's C++ backend splits a step into more kernels than its Triton backend does (its totals are
+    not a GPU's): read the differences between the models, not the totals."""
     from torch._inductor import metrics
     from torch._inductor.compile_fx import compile_fx
     from transformers import StaticCache
@@ -312,7 +312,7 @@ def static_graph_launches(model, prompt: torch.Tensor, device: str) -> dict:
     custom = {name: n for name, n in calls.items() if name in custom_ops}
     return {
         "generated_kernels_per_layer": round(metrics.generated_kernel_count / layers, 2),
-        "gemms_per_layer": round(calls["linear"] / layers, 2),
+        "gemms_per_layer": round((calls["linear"] + calls["addmm"]) / layers, 2),
         "attention_per_layer": round(calls["scaled_dot_product_attention"] / layers, 2),
         "custom_ops_per_layer": {name: round(n / layers, 2) for name, n in custom.items()},
     }

@@ -523,3 +523,52 @@ def test_branch_norm_without_the_branch_normalises_the_attention_alone(make_mode
                 assert (model(input_ids).logits - reference).abs().max() > 1e-2
         else:
             assert (scaled - reference).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+@pytest.mark.parametrize("cached", [False, True], ids=["sequence", "decode-step"])
+def test_the_branch_adds_its_output_to_the_attention_in_its_out_proj_gemm(ssm_type, cached):
+    """HybridAttention hands its attention output to the branch (`add_to`), whose out_proj adds it in its own GEMM
+    (addmm): no add op of its own, so one launch a layer fewer and one node fewer in a compiled decode step. The sum
+    is attention + s, s as the branch returns it alone; with a hook on out_proj (an adapter's path) the module is
+    called and what the hook returns is added."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from conftest import MAMBA2_BRANCH
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    config = tiny_config(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
+    model = HybridForCausalLM(config).eval()
+    branch = model.model.layers[0].self_attn.ssm
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        branch.out_proj.weight.copy_(torch.randn(branch.out_proj.weight.shape, generator=generator) * 0.1)
+    ids = torch.randint(3, 97, (2, 7), generator=generator)
+    hidden = torch.randn(2, 1 if cached else 7, config.hidden_size, generator=generator)
+    attention = torch.randn(2, hidden.shape[1], config.num_attention_heads * config.head_dim, generator=generator)
+
+    def run(add_to):
+        """The branch's output for `hidden`, from a fresh cache of `ids` when `cached` (its state is updated)."""
+        cache = model(ids, use_cache=True).past_key_values if cached else None
+        with CountOps() as counter:
+            output = branch(hidden, cache, add_to=add_to)
+        return output, counter.ops
+
+    with torch.no_grad():
+        alone, alone_ops = run(None)
+        summed, summed_ops = run(attention)
+        torch.testing.assert_close(summed, attention + alone, atol=1e-6, rtol=1e-5)
+        assert summed_ops.get("aten.add.Tensor", 0) == alone_ops.get("aten.add.Tensor", 0), (alone_ops, summed_ops)
+        assert summed_ops.get("aten.addmm.default", 0) == alone_ops.get("aten.addmm.default", 0) + 1
+
+        branch.out_proj.register_forward_hook(lambda _module, _inputs, output: 2 * output)
+        hooked, _ = run(attention)
+        torch.testing.assert_close(hooked, attention + 2 * alone, atol=1e-6, rtol=1e-5)

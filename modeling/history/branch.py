@@ -55,6 +55,18 @@ class HistoryBranch(nn.Module, ABC):
             type(module) is plain and not any(getattr(module, name) for name in hooks) for module, plain in modules
         )
 
+    def _project_out(self, y: torch.Tensor, add_to: torch.Tensor | None) -> torch.Tensor:
+        """`out_proj(y)`, or `add_to + out_proj(y)`: the sum as the GEMM's own accumulation (addmm) where `out_proj`
+        is a plain bias-free `Linear` over a plain weight, so that it takes no kernel of its own (one launch a layer
+        fewer, and one graph node of a compiled decode step). An adapter or a hook on `out_proj`, or a weight that is
+        a tensor subclass (a tensor-parallel shard: a DTensor), gets the module called and the sum after it."""
+        if add_to is None:
+            return self.out_proj(y)
+        weight = self.out_proj.weight
+        if self.out_proj.bias is None and type(weight) is nn.Parameter and self._are_plain((self.out_proj, nn.Linear)):
+            return torch.addmm(add_to.flatten(0, -2), y.flatten(0, -2), weight.t()).view(add_to.shape)
+        return add_to + self.out_proj(y)
+
     @abstractmethod
     def forward(
         self,
@@ -62,11 +74,13 @@ class HistoryBranch(nn.Module, ABC):
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`; padding
         never enters the state); seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one
         sequence per row; each packed sequence starts from a zero state). With `past_key_values` the branch continues
-        from this layer's cached state and leaves its new state there. Returns [B, T, num_heads * head_dim]."""
+        from this layer's cached state and leaves its new state there. Returns s [B, T, num_heads * head_dim], or
+        `add_to + s` when given `add_to` of that shape (`_project_out`)."""
 
     @abstractmethod
     def state_numel(self) -> tuple[int, int]:

@@ -104,9 +104,11 @@ class Mamba1Branch(HistoryBranch):
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states: [B, T, hidden]; padding_mask: [B, T], 1 for real tokens, 0 for padding (or `None`);
-        seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one sequence per row)."""
+        seq_idx: [B, T] index of the packed sequence each token belongs to (or `None`: one sequence per row);
+        add_to: what the output is added to (`HistoryBranch.forward`)."""
         ops = self._ops_for(hidden_states)
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
 
@@ -119,10 +121,10 @@ class Mamba1Branch(HistoryBranch):
                 xz, self.conv1d.weight, self.conv1d.bias, self.x_proj.weight, self.dt_proj.weight, self.dt_proj.bias,
                 self.A_log, self.D, padding_mask, seq_idx,
             )  # fmt: skip
-            return self.out_proj(y)
+            return self._project_out(y, add_to)
         layer_cache = past_key_values.layers[self.layer_idx] if has_history else None
         if layer_cache is not None and xz.shape[1] == 1 and seq_idx is None and not layer_cache.record_past:
-            return self.out_proj(self._decode_step(xz, layer_cache, padding_mask, ops))
+            return self._project_out(self._decode_step(xz, layer_cache, padding_mask, ops), add_to)
 
         xs, z = xz.chunk(2, dim=-1)  # [B, T, E] each
         if padding_mask is not None:
@@ -153,7 +155,7 @@ class Mamba1Branch(HistoryBranch):
         if past_key_values is not None:
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 
-        return self.out_proj(y)
+        return self._project_out(y, add_to)
 
     def _decode_step(self, xz, layer_cache, padding_mask, ops: Mamba1Ops) -> torch.Tensor:
         """Steps 2-4 for one new token per row, xz [B, 1, 2E]: the decode ops update the cached conv history and

@@ -98,6 +98,7 @@ class Mamba2Branch(HistoryBranch):
         past_key_values: Cache | None = None,
         padding_mask: torch.Tensor | None = None,
         seq_idx: torch.Tensor | None = None,
+        add_to: torch.Tensor | None = None,
     ) -> torch.Tensor:
         batch, length, _ = hidden_states.shape
         has_history = past_key_values is not None and past_key_values.has_previous_state(self.layer_idx)
@@ -117,7 +118,7 @@ class Mamba2Branch(HistoryBranch):
                 y = mamba2_inner_ref(
                     zxbcdt, *weights, self.n_groups, self.norm.eps, padding_mask, seq_idx, self.chunk_size
                 )
-            return self.out_proj(y)
+            return self._project_out(y, add_to)
         if layer_cache is not None and length == 1 and seq_idx is None and not layer_cache.record_past and plain:
             # Steps 2-5 for one new token per row as one op, the cached conv history and state updated in place
             # (no chunk machinery, no host sync): on the kernels three launches under one set of checks, where a
@@ -129,7 +130,7 @@ class Mamba2Branch(HistoryBranch):
                 self.n_groups, self.norm.eps, layer_cache.conv_states[0], layer_cache.recurrent_states[0],
                 padding_mask,
             )  # fmt: skip
-            return self.out_proj(y)
+            return self._project_out(y, add_to)
         z, xBC, dt = zxbcdt.split([self.intermediate_size, self.conv_channels, self.num_heads], dim=-1)
         xBC = zero_padding(xBC, padding_mask)
 
@@ -166,7 +167,7 @@ class Mamba2Branch(HistoryBranch):
             past_key_values.update_recurrent_state(final_state.detach(), self.layer_idx)
 
         # 5. Gated RMSNorm per group of E/G channels, then the output projection.
-        return self.out_proj(self.norm(y.reshape(batch, length, -1), z))
+        return self._project_out(self.norm(y.reshape(batch, length, -1), z), add_to)
 
     def _on_kernels(self, hidden_states: torch.Tensor) -> bool:
         """The Triton kernels for CUDA tensors (Triton installed), unless the config says `use_ssm_kernels=False`."""
