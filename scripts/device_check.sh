@@ -33,6 +33,10 @@
 #                                          # `serving --models hybrid --prefix` then `serving --models swa,llama`
 #   bash scripts/device_check.sh both K ARGS...    # on the two-GPU kind, in one call: `vllm K` on GPU 0 (no TP 2)
 #                                          # while `serving ARGS` runs on GPU 1
+#   bash scripts/device_check.sh generate-ab BASE [ARGS]  # generate() at the small shape, static caches, of this tree
+#                                          # and of the tree in folder BASE (made and carried as for `ab`), each tree's
+#                                          # own bench_generate.py in turn, two rounds in ABBA order (ARGS go to each
+#                                          # run, e.g. --models hybrid,hybrid-mamba2,swa)
 #   bash scripts/device_check.sh ab BASE [ARGS]   # this tree's kernel benchmarks against the tree in folder BASE, each
 #                                          # tree's own bench_kernels.py in fresh processes, ABBA order (bench_ab.py;
 #                                          # ARGS go to it, default `--rounds 2 --only scan,conv,prefill,decode`). BASE is
@@ -202,6 +206,24 @@ case "${1:-kernels}" in
     echo "=== serving $* (GPU 1)"; tail -n 30 "$OUT/both-serving.log"
     exit $((tests_status || serving_status))
     ;;
+  generate-ab)
+    base=${2?usage: $0 generate-ab BASE [ARGS]}
+    shift 2
+    status=0
+    for round in 1 2; do
+      trees=(. "$base")
+      ((round == 2)) && trees=("$base" .)
+      for tree in "${trees[@]}"; do
+        label=this
+        [[ $tree == . ]] || label=$(basename "$tree")
+        TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generate-$label timeout 270 python3 "$tree/scripts/bench_generate.py" \
+          --shape small --caches static --models hybrid,swa --repeats 3 --json "$OUT/generate-$label-$round.json" "$@" \
+          > "$OUT/generate-$label-$round.log" 2>&1 || status=1
+        echo "== $label, round $round"; grep -E "new tok/s" "$OUT/generate-$label-$round.log"
+      done
+    done
+    exit "$status"
+    ;;
   ab)
     base=${2?usage: $0 ab BASE [ARGS]}
     shift 2
@@ -211,7 +233,7 @@ case "${1:-kernels}" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]" >&2
+    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]|generate-ab BASE [ARGS]" >&2
     exit 2
     ;;
 esac
