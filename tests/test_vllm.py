@@ -162,10 +162,11 @@ def lora_requests(model, tmp_path):
 
 
 # vLLM's LoRA kernels on GPUs take half precision only (the model refuses an fp32 engine with LoRA there), so on a GPU
-# the LoRA tests serve in bf16 and compare at bf16's tie gap and tolerance, with a lower share of tokens before a near
-# tie (the bf16 greedy test's lower bar: bf16's ties are ten times wider).
+# the LoRA tests serve in bf16 and compare at bf16's tie gap and tolerance, over fewer tokens: bf16's ties are ten
+# times wider. How many tokens come before a tie is Transformers' own (its fp32 top-2 gaps): at bf16's gap 19 of 72
+# for the Mamba-1 test's requests and 11 of 48 for the Mamba-2 test's (computed on CPU), each above the bar of 0.2.
 if ON_GPU:
-    LORA_DTYPE, LORA_TOLERANCES, LORA_MIN_COMPARED = "bfloat16", {"tie_gap": BF16_TIE, "atol": BF16_TIE}, 0.1
+    LORA_DTYPE, LORA_TOLERANCES, LORA_MIN_COMPARED = "bfloat16", {"tie_gap": BF16_TIE, "atol": BF16_TIE}, 0.2
 else:
     LORA_DTYPE, LORA_TOLERANCES, LORA_MIN_COMPARED = "float32", {"tie_gap": FP32_TIE, "atol": 1e-3}, 0.5
 
