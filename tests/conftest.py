@@ -1,3 +1,4 @@
+import collections
 import os
 import shutil
 from pathlib import Path
@@ -13,6 +14,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,10 +70,22 @@ MAMBA2_BRANCH = {
 }
 
 
+class DispatchedOps(TorchDispatchMode):
+    """The aten ops dispatched inside a `with DispatchedOps() as counter:` block, counted by name (`add`, `addmm`,
+    ...) in `counter.ops`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def backward_elements(output: torch.Tensor) -> int:
     """Elements of every tensor the ops of `output`'s backward return: the backward's memory traffic, counted without
     timing it (a backward whose every step writes a whole-sequence tensor shows as quadratic in the length)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     class Counter(TorchDispatchMode):

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import MAMBA2_BRANCH, padded_and_packed_rows, tiny_config
+from conftest import MAMBA2_BRANCH, DispatchedOps, padded_and_packed_rows, tiny_config
 
 from modeling.ops import gated_rms_norm_bwd_ref, gated_rms_norm_ref, mamba2_inner_ref, mamba2_inner_step_ref
 
@@ -402,15 +402,8 @@ def test_the_step_runs_no_aten_op_between_its_launches(inner, monkeypatch):
     -exp(A_log) are the kernels' work: an aten op here is a launch more per layer in a CUDA graph and an op more in
     every dynamic-cache generate() step. The launches run outside the count (on CPU machines the interpreter copies
     tensors with aten ops of its own), each counted once."""
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._python_dispatch import _disable_current_modes
     from triton.runtime import interpreter, jit
-
-    class Ops(TorchDispatchMode):
-        names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     launches = []
     for cls in (interpreter.InterpretedFunction, jit.JITFunction):
@@ -432,9 +425,9 @@ def test_the_step_runs_no_aten_op_between_its_launches(inner, monkeypatch):
     conv_state = torch.randn(batch, conv_channels, 3, device=DEVICE, dtype=torch.bfloat16)
     ssm_state = torch.randn(batch, heads, head_dim, state, device=DEVICE)
     mask = torch.tensor([[1], [0], [1]], device=DEVICE)
-    with Ops() as ops:
+    with DispatchedOps() as counter:
         inner.mamba2_inner_step(zxbcdt, **tensors, n_groups=groups, eps=1e-5, conv_state=conv_state,
                                 ssm_state=ssm_state, padding_mask=mask)  # fmt: skip
     allowed = {"empty", "new_empty", "view", "slice", "select", "as_strided", "t", "transpose"}
     assert len(launches) == 3, launches
-    assert set(ops.names) <= allowed, sorted(set(ops.names) - allowed)
+    assert set(counter.ops) <= allowed, sorted(set(counter.ops) - allowed)
