@@ -223,11 +223,11 @@ def test_the_step_kernels_follow_the_step_reference(
     state's last two dimensions swapped; the caches one row longer than the batch), xz a view of a wider output;
     R and N are not powers of two. With small blocks every loop of the kernels takes several steps, the last one
     partial: E = 72 in conv programs of 16 channels (five x_proj shares, summed two at a time), x_proj's 17 rows
-    eight at a time, dt_proj's 5 columns four at a time. The token dimension of xz, the mask and the output is read
-    through row strides (the mask's is not 1)."""
+    eight at a time (the next eight requested before the current ones are summed). The token dimension of xz, the
+    mask and the output is read through row strides (the mask's is not 1)."""
     decode = importlib.import_module("modeling.ops.mamba_inner.decode")
     if small_blocks:
-        monkeypatch.setattr(decode, "pick_step_blocks", lambda *args: decode.StepBlocks(e1=16, j=8, e2=16, r=4, p=2))
+        monkeypatch.setattr(decode, "pick_step_blocks", lambda *args: decode.StepBlocks(e1=16, j=8, e2=16, p=2))
     batch, channels, state, dt_rank, steps = 3, 72, 6, 5, 3
     tensors = random_branch(batch, steps, channels, state, dt_rank, seed=11)
     if not conv_bias:

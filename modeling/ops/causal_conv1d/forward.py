@@ -285,18 +285,21 @@ def conv_update_channels(
     as zeros (a request's first token)."""
     o_k = tl.arange(0, BLOCK_K)
     m_read = reads_history & m_e[None, :]
+    # Every load before any arithmetic on one: a decode step is a few dependent trips to memory, not bandwidth.
     # window tap k: history entry k for k < K-1, the new token at k = K-1
     b_window = tl.load(p_slot + o_k[:, None] * s_st_k, mask=(o_k < K - 1)[:, None] & m_read, other=0.0)
-    b_window = tl.where((o_k == K - 1)[:, None], b_x[None, :], b_window.to(tl.float32))
     # the shifted history: tap k + 1 of the window
     b_shifted = tl.load(p_slot + (o_k + 1)[:, None] * s_st_k, mask=(o_k + 1 < K - 1)[:, None] & m_read, other=0.0)
-    b_shifted = tl.where((o_k == K - 2)[:, None], b_x[None, :], b_shifted.to(tl.float32))
-
     p_weight = p_w + o_e[None, :] * s_w_e + o_k[:, None] * s_w_k
     b_w = tl.load(p_weight, mask=(o_k < K)[:, None] & m_e[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_bias = tl.load(p_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
+
+    b_window = tl.where((o_k == K - 1)[:, None], b_x[None, :], b_window.to(tl.float32))
+    b_shifted = tl.where((o_k == K - 2)[:, None], b_x[None, :], b_shifted.to(tl.float32))
     b_y = tl.sum(b_window * b_w, axis=0)
     if HAS_BIAS:
-        b_y += tl.load(p_bias + o_e, mask=m_e, other=0.0).to(tl.float32)
+        b_y += b_bias
     if SILU:
         b_y = b_y * tl.sigmoid(b_y)
 

@@ -3,8 +3,8 @@ reference `mamba_inner_step_ref` in reference.py, with the exact semantics): one
 the state updated in place, in two launches where the module path takes the conv update kernel, the x_proj and
 dt_proj GEMMs, the decay rates, the state update kernel and about thirteen aten ops between them. Inference only.
 
-    StepBlocks, pick_step_blocks  the launch shape: register tiles of ~4096 fp32 values at any width, the wide
-                            weights and the shares walked in steps
+    StepBlocks, pick_step_blocks  the launch shape: register tiles of ~4096 fp32 values at any width, so that
+                            at the usual widths each program loads all it needs at once
     _conv_x_proj_kernel     grid (cdiv(E, BLOCK_E), rows): the conv update of a block of channels
                             (`conv_update_channels`), u stored in the output, and the block's share of x_proj, fp32
                             [block, row, R+2N]
@@ -12,6 +12,11 @@ dt_proj GEMMs, the decay rates, the state update kernel and about thirteen aten 
                             dt_proj for the program's channels, the state step (`ssm_step`) and the gate, the output
                             written over u (each program reads the u it overwrites)
     launch_mamba_inner_step checks nothing (interface.py does), picks the blocks, launches both
+
+At a decode batch each kernel moves a few hundred kilobytes: its time is the round trips to memory that wait on each
+other, not bandwidth. So each kernel issues every load it can before it uses any (the next rows of x_proj's weight
+before summing the current ones), and the blocks are shaped so that the loops over x_proj's rows and over the
+shares take one step at the usual widths.
 
 Why two launches and not one: x_proj sums over every channel, and each channel's conv history is overwritten by the
 program that owns it, so no program may read another's channels once the step has begun; the shares of the first
@@ -35,26 +40,23 @@ from ..triton_utils import cdiv, next_power_of_2, softplus
 class StepBlocks(NamedTuple):
     """Launch shape of the two kernels, every register tile about 4096 fp32 values whatever the widths: e1, channels
     per conv/x_proj program (E / e1 shares of x_proj per row), j, rows of x_proj's weight per inner step; e2,
-    channels per state program, r, columns of dt_proj's weight per inner step, p, shares summed per inner step."""
+    channels per state program (with dt_proj's whole [e2, R] block); p, shares summed per inner step."""
 
     e1: int
     j: int
     e2: int
-    r: int
     p: int
 
 
 @functools.cache
 def pick_step_blocks(num_channels: int, dt_rank: int, state_size: int) -> StepBlocks:
-    e1 = min(next_power_of_2(num_channels), 128)
-    j = max(16, min(next_power_of_2(dt_rank + 2 * state_size), 4096 // e1))
-    e2 = pick_state_update_block_e(num_channels, state_size)
-    r = max(16, min(next_power_of_2(dt_rank), 4096 // e2))
-    p = min(
-        next_power_of_2(cdiv(num_channels, e1)),
-        max(1, 4096 // max(r, next_power_of_2(state_size))),
-    )
-    return StepBlocks(e1, j, e2, r, p)
+    # e1: x_proj's whole weight in one step where it fits, but no more than 32 shares a row to sum
+    x_proj_rows = next_power_of_2(dt_rank + 2 * state_size)
+    e1 = min(next_power_of_2(num_channels), 128, max(16, 4096 // x_proj_rows, next_power_of_2(num_channels) // 32))
+    j = min(x_proj_rows, max(16, 4096 // e1))
+    e2 = min(pick_state_update_block_e(num_channels, state_size), max(16, 4096 // next_power_of_2(dt_rank)))
+    p = min(next_power_of_2(cdiv(num_channels, e1)), max(1, 4096 // next_power_of_2(max(dt_rank, state_size))))
+    return StepBlocks(e1, j, e2, p)
 
 
 @triton.jit
@@ -70,6 +72,10 @@ def _conv_x_proj_kernel(
     i_e, i_r = tl.program_id(0), tl.program_id(1)
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     m_e = o_e < E
+    o_j = tl.arange(0, BLOCK_J)
+    p_w = p_x_proj_w + o_j[:, None] * s_xw_j + o_e[None, :] * s_xw_e
+    # x_proj's first rows in flight while the conv waits on its own loads
+    b_w = tl.load(p_w, mask=(o_j < J)[:, None] & m_e[None, :], other=0.0)
     b_x = tl.load(p_xz + i_r.to(tl.int64) * s_xz_r + o_e, mask=m_e, other=0.0).to(tl.float32)
     if HAS_MASK:
         b_x = tl.where(tl.load(p_mask + i_r * s_mask) != 0, b_x, 0.0)
@@ -81,30 +87,13 @@ def _conv_x_proj_kernel(
     tl.store(p_u + i_r.to(tl.int64) * E + o_e, b_u, mask=m_e)
 
     b_u = b_u.to(tl.float32)
-    o_j = tl.arange(0, BLOCK_J)
     p_share = p_parts + (i_e * num_rows + i_r).to(tl.int64) * J
     for j0 in range(0, J, BLOCK_J):
-        m_j = j0 + o_j < J
-        p_w = p_x_proj_w + (j0 + o_j)[:, None] * s_xw_j + o_e[None, :] * s_xw_e
-        b_w = tl.load(p_w, mask=m_j[:, None] & m_e[None, :], other=0.0).to(tl.float32)
-        tl.store(p_share + j0 + o_j, tl.sum(b_w * b_u[None, :], axis=1), mask=m_j)
-
-
-@triton.jit
-def _x_proj_columns(
-    p_row_parts, part_stride, num_parts, o_cols, m_cols,
-    BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, dtype: tl.constexpr,
-):  # fmt: skip
-    """Columns o_cols ([BLOCK]) of x_proj's output for one row: its shares (share k at p_row_parts + k *
-    part_stride) summed BLOCK_P at a time, in a fixed order, rounded to `dtype` as the GEMM's output would be;
-    returned in fp32."""
-    o_p = tl.arange(0, BLOCK_P)
-    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        m_p = p0 + o_p < num_parts
-        p_shares = p_row_parts + (p0 + o_p).to(tl.int64)[:, None] * part_stride + o_cols[None, :]
-        b_acc += tl.sum(tl.load(p_shares, mask=m_p[:, None] & m_cols[None, :], other=0.0), axis=0)
-    return b_acc.to(dtype).to(tl.float32)
+        # the next rows requested before this step's sum waits on its own
+        m_next = (j0 + BLOCK_J + o_j < J)[:, None] & m_e[None, :]
+        b_w_next = tl.load(p_w + (j0 + BLOCK_J) * s_xw_j, mask=m_next, other=0.0)
+        tl.store(p_share + j0 + o_j, tl.sum(b_w.to(tl.float32) * b_u[None, :], axis=1), mask=j0 + o_j < J)
+        b_w = b_w_next
 
 
 @triton.jit
@@ -114,45 +103,58 @@ def _dt_state_kernel(
     HAS_MASK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):  # fmt: skip
-    """Row i_r, channels i_e*BLOCK_E..: (dt_low, B, C) = the sum of the row's x_proj shares, dt = dt_proj_w @ dt_low
-    (BLOCK_R of its R columns at a time), step = softplus(dt + dt_bias), the state step with A = -exp(A_log), out =
-    (state . C + D u) silu(z) (z: xz[:, E:]). A padding row keeps its state and writes zeros. p_out may be p_u:
-    each of its elements is stored by the program that loaded it, after the load (y depends on u)."""
+    """Row i_r, channels i_e*BLOCK_E..: (dt_low, B, C) = the sum of the row's x_proj shares (in a fixed order,
+    rounded to the activation dtype as the GEMM's output would be), dt = dt_proj_w @ dt_low (BLOCK_R >= R), step =
+    softplus(dt + dt_bias), the state step with A = -exp(A_log), out = (state . C + D u) silu(z) (z: xz[:, E:]). A
+    padding row keeps its state and writes zeros. p_out may be p_u: each of its elements is stored by the program
+    that loaded it, after the load (y depends on u)."""
     i_r, i_e = tl.program_id(0), tl.program_id(1)
     dtype = p_u.dtype.element_ty
-    p_row_parts = p_parts + i_r.to(tl.int64) * (R + 2 * N)
-    part_stride = num_rows * (R + 2 * N)
-    o_n = tl.arange(0, BLOCK_N)
-    m_n = o_n < N
-    b_B = _x_proj_columns(p_row_parts, part_stride, num_parts, R + o_n, m_n, BLOCK_N, BLOCK_P, dtype)
-    b_C = _x_proj_columns(p_row_parts, part_stride, num_parts, R + N + o_n, m_n, BLOCK_N, BLOCK_P, dtype)
-
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    m_e = o_e < E
     o_r = tl.arange(0, BLOCK_R)
-    b_dt = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        m_r = r0 + o_r < R
-        b_dt_low = _x_proj_columns(p_row_parts, part_stride, num_parts, r0 + o_r, m_r, BLOCK_R, BLOCK_P, dtype)
-        p_w = p_dt_w + o_e[:, None] * s_dw_e + (r0 + o_r)[None, :] * s_dw_r
-        b_w = tl.load(p_w, mask=m_e[:, None] & m_r[None, :], other=0.0).to(tl.float32)
-        b_dt += tl.sum(b_w * b_dt_low[None, :], axis=1)
-    b_dt = b_dt.to(dtype).to(tl.float32)
-    b_step = softplus(b_dt + tl.load(p_dt_b + o_e, mask=m_e, other=0.0).to(tl.float32))
-
+    o_n = tl.arange(0, BLOCK_N)
+    m_e, m_r, m_n = o_e < E, o_r < R, o_n < N
     m_en = m_e[:, None] & m_n[None, :]
-    b_A_log = tl.load(p_A_log + o_e[:, None] * s_al_e + o_n[None, :] * s_al_n, mask=m_en, other=0.0)
-    b_A = -tl.exp(b_A_log.to(tl.float32))
-    b_u = tl.load(p_u + i_r.to(tl.int64) * E + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_z = tl.load(p_xz + i_r.to(tl.int64) * s_xz_r + E + o_e, mask=m_e, other=0.0).to(tl.float32)
-    b_D = tl.load(p_D + o_e, mask=m_e, other=0.0).to(tl.float32)
 
+    # What does not depend on x_proj's output, requested first: its latency hides behind the shares' sums.
+    b_dt_w = tl.load(
+        p_dt_w + o_e[:, None] * s_dw_e + o_r[None, :] * s_dw_r, mask=m_e[:, None] & m_r[None, :], other=0.0
+    )
+    b_dt_bias = tl.load(p_dt_b + o_e, mask=m_e, other=0.0)
     p_state = p_ssm_state + i_r.to(tl.int64) * s_ss_r + o_e[:, None] * s_ss_e + o_n[None, :] * s_ss_n
-    b_state = tl.load(p_state, mask=m_en, other=0.0).to(tl.float32)
-    b_state, b_y = ssm_step(b_state, b_u, b_step, b_A, b_B, b_C, b_D, b_z)
+    b_state = tl.load(p_state, mask=m_en, other=0.0)
+    b_A_log = tl.load(p_A_log + o_e[:, None] * s_al_e + o_n[None, :] * s_al_n, mask=m_en, other=0.0)
+    b_u = tl.load(p_u + i_r.to(tl.int64) * E + o_e, mask=m_e, other=0.0)
+    b_z = tl.load(p_xz + i_r.to(tl.int64) * s_xz_r + E + o_e, mask=m_e, other=0.0)
+    b_D = tl.load(p_D + o_e, mask=m_e, other=0.0)
     is_real = True
     if HAS_MASK:
         is_real = tl.load(p_mask + i_r * s_mask) != 0
+
+    # x_proj's output for the row: its shares (share k of row i at p_parts + (k * rows + i) * (R + 2N)) summed
+    # BLOCK_P at a time, the three column groups of a step loaded together
+    o_p = tl.arange(0, BLOCK_P)
+    p_row_parts = p_parts + i_r.to(tl.int64) * (R + 2 * N)
+    part_stride = num_rows * (R + 2 * N)
+    b_dt_low = tl.zeros([BLOCK_R], dtype=tl.float32)
+    b_B = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_C = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        m_p = (p0 + o_p < num_parts)[:, None]
+        p_shares = p_row_parts + (p0 + o_p).to(tl.int64)[:, None] * part_stride
+        b_dt_low += tl.sum(tl.load(p_shares + o_r[None, :], mask=m_p & m_r[None, :], other=0.0), axis=0)
+        b_B += tl.sum(tl.load(p_shares + R + o_n[None, :], mask=m_p & m_n[None, :], other=0.0), axis=0)
+        b_C += tl.sum(tl.load(p_shares + R + N + o_n[None, :], mask=m_p & m_n[None, :], other=0.0), axis=0)
+    b_dt_low = b_dt_low.to(dtype).to(tl.float32)
+    b_B = b_B.to(dtype).to(tl.float32)
+    b_C = b_C.to(dtype).to(tl.float32)
+
+    b_dt = tl.sum(b_dt_w.to(tl.float32) * b_dt_low[None, :], axis=1).to(dtype).to(tl.float32)
+    b_step = softplus(b_dt + b_dt_bias.to(tl.float32))
+    b_A = -tl.exp(b_A_log.to(tl.float32))
+    b_state, b_y = ssm_step(
+        b_state.to(tl.float32), b_u.to(tl.float32), b_step, b_A, b_B, b_C, b_D.to(tl.float32), b_z.to(tl.float32)
+    )
     tl.store(p_state, b_state.to(p_ssm_state.dtype.element_ty), mask=tl.where(is_real, m_en, False))
     tl.store(p_out + i_r.to(tl.int64) * E + o_e, tl.where(is_real, b_y, 0.0).to(p_out.dtype.element_ty), mask=m_e)
 
@@ -184,6 +186,6 @@ def launch_mamba_inner_step(
         out, xz, parts, dt_proj_weight, dt_proj_bias, A_log, D, ssm_state, padding_mask, out,
         num_channels, dt_rank, state_size, num_parts, num_rows, mask_stride, xz.stride(0), *dt_proj_weight.stride(),
         *A_log.stride(), *ssm_state.stride(),
-        HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e2, BLOCK_R=blocks.r,
+        HAS_MASK=padding_mask is not None, BLOCK_E=blocks.e2, BLOCK_R=next_power_of_2(dt_rank),
         BLOCK_N=next_power_of_2(state_size), BLOCK_P=blocks.p,
     )  # fmt: skip
