@@ -890,6 +890,61 @@ SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd
 ]
 
 
+def bench_step(args) -> list[Row]:
+    """generate()'s decode step of the Mamba-1 branch between its projections, on the Transformers caches (bf16,
+    fp32 state, the shapes of bench_generate.py's small model by default): the fused op (`mamba_inner_step`, two
+    launches) against the module path's ops (the conv update's kernel, the x_proj and dt_proj GEMMs, the state
+    update's kernel). A decode batch moves little: these rows time launch latency and dependent memory trips."""
+    from modeling.ops import decay_rates, mamba_inner_step_ref
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_update
+    from modeling.ops.mamba_inner.interface import mamba_inner_step
+    from modeling.ops.selective_scan.interface import selective_state_update
+
+    batch, E, R, N, K = args.step_batch, args.step_channels, args.step_dt_rank, 16, 4
+    shape = f"B={batch} E={E} R={R} N={N} K={K}"
+    xz = randn(batch, 1, 2 * E)
+    conv_w, conv_b = randn(E, 1, K, scale=0.5), randn(E, scale=0.1)
+    x_proj_w, dt_proj_w = randn(R + 2 * N, E, scale=E**-0.5), randn(E, R, scale=R**-0.5)
+    dt_bias = (torch.rand(E, device=DEVICE) * 4 - 6).to(torch.bfloat16)  # softplus: steps ~0.002..0.1
+    A_log = torch.log(torch.arange(1, N + 1, device=DEVICE, dtype=torch.float32)).expand(E, N).contiguous()
+    D = torch.ones(E, device=DEVICE)
+    conv_state, ssm_state = randn(batch, E, K - 1), randn(batch, E, N, dtype=torch.float32)
+    weights = (conv_w, conv_b, x_proj_w, dt_proj_w, dt_bias, A_log, D)
+
+    def fused(conv, ssm):
+        return mamba_inner_step(xz, *weights, conv, ssm)
+
+    rows_index = torch.arange(batch, device=DEVICE, dtype=torch.int32)
+    no_bias = torch.zeros_like(D)
+
+    def module_path(conv, ssm):
+        xs, z = xz[:, 0].chunk(2, dim=-1)
+        u = causal_conv1d_update(xs, conv_w[:, 0], conv_b, conv, rows_index, "silu")
+        dt_low, B, C = F.linear(u, x_proj_w).split([R, N, N], dim=-1)
+        dt = F.linear(dt_low, dt_proj_w, dt_bias)
+        y = torch.empty_like(u)
+        selective_state_update(ssm, u, dt, decay_rates(A_log), B, C, D, z, no_bias, rows_index, y)
+        return y
+
+    got_conv, got_ssm = conv_state.clone(), ssm_state.clone()
+    got = fused(got_conv, got_ssm)
+    ref_conv, ref_ssm = conv_state.double(), ssm_state.double()
+    ref_weights = [w.double() for w in weights]
+    ref = mamba_inner_step_ref(xz.double(), *ref_weights, ref_conv, ref_ssm)
+    errs = {"y": rel_err(got, ref), "conv": rel_err(got_conv, ref_conv), "state": rel_err(got_ssm, ref_ssm)}
+    # the weights, the caches read and written, xz in and y out
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+    cache_bytes = 2 * (conv_state.numel() * conv_state.element_size() + ssm_state.numel() * 4)
+    total = weight_bytes + cache_bytes + xz.numel() * 2 + batch * E * 2
+    fused_ms = median_ms(lambda: fused(conv_state, ssm_state))
+    module_ms = median_ms(lambda: module_path(conv_state, ssm_state))
+    return [
+        Row("step", "Triton mamba_inner_step (2 launches)", shape, fused_ms, bytes=total, rel_err=max(errs.values()),
+            note=f"{module_ms / fused_ms:.2f}x the module path", extra=errs),
+        Row("step", "module path (2 kernels, 2 GEMMs, ~13 ops)", shape, module_ms, bytes=total),
+    ]  # fmt: skip
+
+
 def bench_scan_sweep(args) -> list[Row]:
     """The training scan's launch settings, fwd+bwd (one knob at a time, then combinations of knobs that interact),
     and the forward alone at two channel blocks."""
@@ -1044,6 +1099,7 @@ SECTIONS: dict[str, Callable] = {
     "prefill": bench_prefill,
     "attention": bench_attention,
     "decode": bench_decode,
+    "step": bench_step,
     "train": bench_train_step,
     "sweep": bench_sweeps,
     "scan_sweep": bench_scan_sweep,
@@ -1097,6 +1153,9 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=8192)
+    parser.add_argument("--step-batch", type=int, default=8, help="rows of the branch's decode step (step)")
+    parser.add_argument("--step-channels", type=int, default=1024, help="E of the branch's decode step (step)")
+    parser.add_argument("--step-dt-rank", type=int, default=64, help="R of the branch's decode step (step)")
     parser.add_argument("--train-batch", type=int, default=2)
     parser.add_argument("--train-seq-len", type=int, default=4096)
     parser.add_argument("--train-window", type=int, default=1024)

@@ -312,21 +312,27 @@ def test_bisect_train_step_lists_what_the_branch_adds_kernel_by_kernel():
 
 
 def test_bench_kernels_smoke_rows_agree_with_their_references(tmp_path):
-    """bench_kernels.py --smoke (Triton's interpreter, toy sizes) on the bf16 serving kernels: every checked row is
-    within bf16 error of its reference (the interpreter multiplied bf16 bits in `tl.dot` here once: rel err 1e9)."""
+    """bench_kernels.py --smoke (Triton's interpreter, toy sizes) on the bf16 serving kernels and the branch's
+    decode step: every checked row is within bf16 error of its reference (the interpreter multiplied bf16 bits in
+    `tl.dot` here once: rel err 1e9)."""
     result = tmp_path / "kernels.json"
     command = [
-        sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), "--smoke", "--only", "attention,decode",
+        sys.executable, str(REPO_ROOT / "scripts" / "bench_kernels.py"), "--smoke", "--only", "attention,decode,step",
         "--attn-seqs", "1", "--attn-seq-len", "64", "--window", "16", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "16", "--block-size", "16", "--decode-batch", "2", "--decode-context", "40",
-        "--serve-channels", "16", "--json", str(result),
+        "--serve-channels", "16", "--step-batch", "2", "--step-channels", "48", "--step-dt-rank", "4",
+        "--json", str(result),
     ]  # fmt: skip
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env, check=False)
     assert done.returncode == 0, done.stderr
     checked = {(row["section"], row["variant"]): row["rel_err"] for row in json.loads(result.read_text())["rows"]}
     checked = {key: err for key, err in checked.items() if err is not None}
-    assert {("attn prefill", "Triton paged window attention"), ("decode", "Triton fused (1 launch)")} <= set(checked)
+    assert {
+        ("attn prefill", "Triton paged window attention"),
+        ("decode", "Triton fused (1 launch)"),
+        ("step", "Triton mamba_inner_step (2 launches)"),
+    } <= set(checked)
     assert all(err < 2e-2 for err in checked.values()), checked
 
 
