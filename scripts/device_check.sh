@@ -37,6 +37,10 @@
 #                                          # and of the tree in folder BASE (made and carried as for `ab`), each tree's
 #                                          # own bench_generate.py in turn, two rounds in ABBA order (ARGS go to each
 #                                          # run, e.g. --models hybrid,hybrid-mamba2,swa)
+#   bash scripts/device_check.sh serving-ab BASE ARGS...  # (vLLM staged) bench_serving.py ARGS of this tree and of
+#                                          # the tree in folder BASE (made and carried as for `ab`), each tree's own
+#                                          # script, engines and plugin in turn: A B, then B A with SERVING_AB_ROUNDS=2
+#                                          # (each run ~3 minutes at one point: one round a call)
 #   bash scripts/device_check.sh ab BASE [ARGS]   # this tree's kernel benchmarks against the tree in folder BASE, each
 #                                          # tree's own bench_kernels.py in fresh processes, ABBA order (bench_ab.py;
 #                                          # ARGS go to it, default `--rounds 2 --only scan,conv,prefill,decode`). BASE is
@@ -224,6 +228,27 @@ case "${1:-kernels}" in
     done
     exit "$status"
     ;;
+  serving-ab)
+    base=${2?usage: $0 serving-ab BASE ARGS...}
+    shift 2
+    export VLLM_USE_FLASHINFER_SAMPLER=0
+    status=0
+    for ((round = 1; round <= ${SERVING_AB_ROUNDS:-1}; round++)); do
+      trees=(. "$base")
+      ((round % 2 == 0)) && trees=("$base" .)
+      for tree in "${trees[@]}"; do
+        label=this
+        [[ $tree == . ]] || label=$(basename "$tree")
+        # Each tree's script puts its own root first on the path, and its engine workers inherit that root: the
+        # plugin vLLM loads is that tree's.
+        (cd "$tree" && timeout "${SERVING_AB_TIMEOUT_S:-270}" python3 scripts/bench_serving.py "$@" \
+          --work-dir "/tmp/serving-ab-$label" --json "$OUT/serving-$label-$round.json") \
+          > "$OUT/serving-$label-$round.log" 2>&1 || status=1
+        echo "== $label, round $round"; tail -n 6 "$OUT/serving-$label-$round.log"
+      done
+    done
+    exit "$status"
+    ;;
   ab)
     base=${2?usage: $0 ab BASE [ARGS]}
     shift 2
@@ -233,7 +258,7 @@ case "${1:-kernels}" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]|generate-ab BASE [ARGS]" >&2
+    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]|generate-ab BASE [ARGS]|serving-ab BASE ARGS" >&2
     exit 2
     ;;
 esac
