@@ -4,7 +4,7 @@ the state updated in place, in two launches where the module path takes the conv
 dt_proj GEMMs, the decay rates, the state update kernel and about thirteen aten ops between them. Inference only.
 
     StepBlocks, pick_step_blocks  the launch shape: register tiles of ~4096 fp32 values at any width, so that
-                            at the usual widths each program loads all it needs at once
+                            at small widths (E 1024, R 64) each loop takes one step
     _conv_x_proj_kernel     grid (cdiv(E, BLOCK_E), rows): the conv update of a block of channels
                             (`conv_update_channels`), u stored in the output, and the block's share of x_proj, fp32
                             [block, row, R+2N]
@@ -16,7 +16,7 @@ dt_proj GEMMs, the decay rates, the state update kernel and about thirteen aten 
 At a decode batch each kernel moves a few hundred kilobytes: its time is the round trips to memory that wait on each
 other, not bandwidth. So each kernel issues every load it can before it uses any (the next rows of x_proj's weight
 before summing the current ones), and the blocks are shaped so that the loops over x_proj's rows and over the
-shares take one step at the usual widths.
+shares take few steps (one each at E 1024, R 64; three and one at E 2048, R 128).
 
 Why two launches and not one: x_proj sums over every channel, and each channel's conv history is overwritten by the
 program that owns it, so no program may read another's channels once the step has begun; the shares of the first
@@ -50,7 +50,7 @@ class StepBlocks(NamedTuple):
 
 @functools.cache
 def pick_step_blocks(num_channels: int, dt_rank: int, state_size: int) -> StepBlocks:
-    # e1: x_proj's whole weight in one step where it fits, but no more than 32 shares a row to sum
+    # e1: x_proj's rows in one step where a tile holds them, but no more than 32 shares a row to sum (up to E 4096)
     x_proj_rows = next_power_of_2(dt_rank + 2 * state_size)
     e1 = min(next_power_of_2(num_channels), 128, max(16, 4096 // x_proj_rows, next_power_of_2(num_channels) // 32))
     j = min(x_proj_rows, max(16, 4096 // e1))
