@@ -68,6 +68,11 @@ git log -1 --format='commit %H %s' 2>/dev/null || true
 runner="VLLM_USE_V2_MODEL_RUNNER=${VLLM_USE_V2_MODEL_RUNNER-unset}"
 echo "$runner"
 
+# The two trees of round ROUND (from 1) of a side-by-side run against folder BASE, in ABBA order: this tree (.) first
+# in odd rounds; and the label a tree's outputs are named by.
+ab_trees() { if (($1 % 2)); then echo ". $2"; else echo "$2 ."; fi; }
+ab_label() { if [[ $1 == . ]]; then echo this; else basename "$1"; fi; }
+
 case "${1:-kernels}" in
   kernels)
     python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
@@ -215,11 +220,8 @@ case "${1:-kernels}" in
     shift 2
     status=0
     for round in 1 2; do
-      trees=(. "$base")
-      ((round == 2)) && trees=("$base" .)
-      for tree in "${trees[@]}"; do
-        label=this
-        [[ $tree == . ]] || label=$(basename "$tree")
+      for tree in $(ab_trees "$round" "$base"); do
+        label=$(ab_label "$tree")
         TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-generate-$label timeout 270 python3 "$tree/scripts/bench_generate.py" \
           --shape small --caches static --models hybrid,swa --repeats 3 --json "$OUT/generate-$label-$round.json" "$@" \
           > "$OUT/generate-$label-$round.log" 2>&1 || status=1
@@ -234,11 +236,8 @@ case "${1:-kernels}" in
     export VLLM_USE_FLASHINFER_SAMPLER=0
     status=0
     for ((round = 1; round <= ${SERVING_AB_ROUNDS:-1}; round++)); do
-      trees=(. "$base")
-      ((round % 2 == 0)) && trees=("$base" .)
-      for tree in "${trees[@]}"; do
-        label=this
-        [[ $tree == . ]] || label=$(basename "$tree")
+      for tree in $(ab_trees "$round" "$base"); do
+        label=$(ab_label "$tree")
         # Each tree's script puts its own root first on the path, and its engine workers inherit that root: the
         # plugin vLLM loads is that tree's.
         (cd "$tree" && timeout "${SERVING_AB_TIMEOUT_S:-270}" python3 scripts/bench_serving.py "$@" \
