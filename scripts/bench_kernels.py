@@ -891,57 +891,61 @@ SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd
 
 
 def bench_step(args) -> list[Row]:
-    """generate()'s decode step of the Mamba-1 branch between its projections, on the Transformers caches (bf16,
-    fp32 state, the shapes of bench_generate.py's small model by default): the fused op (`mamba_inner_step`, two
-    launches) against the module path's ops (the conv update's kernel, the x_proj and dt_proj GEMMs, the state
-    update's kernel). A decode batch moves little: these rows time launch latency and dependent memory trips."""
-    from modeling.ops import decay_rates, mamba_inner_step_ref
-    from modeling.ops.causal_conv1d.interface import causal_conv1d_update
-    from modeling.ops.mamba_inner.interface import mamba_inner_step
-    from modeling.ops.selective_scan.interface import selective_state_update
+    """generate()'s decode step of the Mamba-1 branch between its projections (`Mamba1Branch._decode_step`, bf16
+    weights, fp32 state, the shapes of bench_generate.py's small model by default): with plain modules the fused op
+    (`mamba_inner_step`, two launches), against the same branch on its module path, the path an adapter or a hook on
+    conv1d, x_proj or dt_proj takes (the conv update's kernel, the x_proj and dt_proj GEMMs, the state update's
+    kernel). A decode batch moves little: these rows time launch latency and dependent memory trips."""
+    from configuration import HybridConfig
+    from modeling.history.mamba1 import KERNEL_OPS, Mamba1Branch
+    from modeling.ops import mamba_inner_step_ref
 
-    batch, E, R, N, K = args.step_batch, args.step_channels, args.step_dt_rank, 16, 4
+    class ModulePathBranch(Mamba1Branch):
+        def _inner_modules_are_plain(self) -> bool:
+            return False
+
+    batch, E, R = args.step_batch, args.step_channels, args.step_dt_rank
+    # the attention's sizes shape only in_proj and out_proj, which the step leaves out
+    config = HybridConfig(
+        hidden_size=64, num_attention_heads=1, num_key_value_heads=1, head_dim=64, ssm_intermediate_size=E,
+        ssm_dt_rank=R,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    fused_branch = Mamba1Branch(config, layer_idx=0)
+    fused_branch.init_weights()
+    with torch.no_grad():  # a trained conv's bias, not init's zeros
+        fused_branch.conv1d.bias.normal_(std=0.1)
+    fused_branch.to(DEVICE, torch.bfloat16)
+    module_branch = ModulePathBranch(config, layer_idx=0).to(DEVICE, torch.bfloat16)
+    module_branch.load_state_dict(fused_branch.state_dict())
+    N, K = config.ssm_state_size, config.ssm_conv_kernel_size
     shape = f"B={batch} E={E} R={R} N={N} K={K}"
     xz = randn(batch, 1, 2 * E)
-    conv_w, conv_b = randn(E, 1, K, scale=0.5), randn(E, scale=0.1)
-    x_proj_w, dt_proj_w = randn(R + 2 * N, E, scale=E**-0.5), randn(E, R, scale=R**-0.5)
-    dt_bias = (torch.rand(E, device=DEVICE) * 4 - 6).to(torch.bfloat16)  # softplus: steps ~0.002..0.1
-    A_log = torch.log(torch.arange(1, N + 1, device=DEVICE, dtype=torch.float32)).expand(E, N).contiguous()
-    D = torch.ones(E, device=DEVICE)
     conv_state, ssm_state = randn(batch, E, K - 1), randn(batch, E, N, dtype=torch.float32)
-    weights = (conv_w, conv_b, x_proj_w, dt_proj_w, dt_bias, A_log, D)
 
-    def fused(conv, ssm):
-        return mamba_inner_step(xz, *weights, conv, ssm)
+    def step(branch, conv, ssm):
+        return branch._decode_step(xz, SimpleNamespace(conv_states=[conv], recurrent_states=[ssm]), None, KERNEL_OPS)
 
-    rows_index = torch.arange(batch, device=DEVICE, dtype=torch.int32)
-    no_bias = torch.zeros_like(D)
-
-    def module_path(conv, ssm):
-        xs, z = xz[:, 0].chunk(2, dim=-1)
-        u = causal_conv1d_update(xs, conv_w[:, 0], conv_b, conv, rows_index, "silu")
-        dt_low, B, C = F.linear(u, x_proj_w).split([R, N, N], dim=-1)
-        dt = F.linear(dt_low, dt_proj_w, dt_bias)
-        y = torch.empty_like(u)
-        selective_state_update(ssm, u, dt, decay_rates(A_log), B, C, D, z, no_bias, rows_index, y)
-        return y
-
-    got_conv, got_ssm = conv_state.clone(), ssm_state.clone()
-    got = fused(got_conv, got_ssm)
+    b = fused_branch
+    weights = (b.conv1d.weight, b.conv1d.bias, b.x_proj.weight, b.dt_proj.weight, b.dt_proj.bias, b.A_log, b.D)
     ref_conv, ref_ssm = conv_state.double(), ssm_state.double()
-    ref_weights = [w.double() for w in weights]
-    ref = mamba_inner_step_ref(xz.double(), *ref_weights, ref_conv, ref_ssm)
-    errs = {"y": rel_err(got, ref), "conv": rel_err(got_conv, ref_conv), "state": rel_err(got_ssm, ref_ssm)}
+    ref = mamba_inner_step_ref(xz.double(), *(w.double() for w in weights), ref_conv, ref_ssm)
+    errs = {}
+    for name, branch in (("fused", fused_branch), ("module path", module_branch)):
+        got_conv, got_ssm = conv_state.clone(), ssm_state.clone()
+        got = step(branch, got_conv, got_ssm)
+        errs[name] = max(rel_err(got, ref), rel_err(got_conv, ref_conv), rel_err(got_ssm, ref_ssm))
     # the weights, the caches read and written, xz in and y out
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     cache_bytes = 2 * (conv_state.numel() * conv_state.element_size() + ssm_state.numel() * 4)
     total = weight_bytes + cache_bytes + xz.numel() * 2 + batch * E * 2
-    fused_ms = median_ms(lambda: fused(conv_state, ssm_state))
-    module_ms = median_ms(lambda: module_path(conv_state, ssm_state))
+    fused_ms = median_ms(lambda: step(fused_branch, conv_state, ssm_state))
+    module_ms = median_ms(lambda: step(module_branch, conv_state, ssm_state))
     return [
-        Row("step", "Triton mamba_inner_step (2 launches)", shape, fused_ms, bytes=total, rel_err=max(errs.values()),
-            note=f"{module_ms / fused_ms:.2f}x the module path", extra=errs),
-        Row("step", "module path (2 kernels, 2 GEMMs, ~13 ops)", shape, module_ms, bytes=total),
+        Row("step", "Triton mamba_inner_step (2 launches)", shape, fused_ms, bytes=total, rel_err=errs["fused"],
+            note=f"{module_ms / fused_ms:.2f}x the module path"),
+        Row("step", "module path (2 kernels, 2 GEMMs, ~13 ops)", shape, module_ms, bytes=total,
+            rel_err=errs["module path"]),
     ]  # fmt: skip
 
 
