@@ -47,13 +47,18 @@ class HistoryBranch(nn.Module, ABC):
     def _are_plain(self, *modules: tuple[nn.Module, type]) -> bool:
         """Whether a fused op may read these (module, plain type) pairs' weights directly instead of calling them:
         only when each is exactly its plain type with no hooks, and no global module hook is set. An adapter
-        (PEFT), a quantised layer or a hook on any of them needs the module path, which calls each module."""
-        hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        if any(getattr(nn.modules.module, f"_global{name}") for name in hooks):
+        (PEFT), a quantised layer or a hook on any of them needs the module path, which calls each module. The
+        same test as `nn.Module.__call__`'s own fast path (run every decode step, a layer: plain reads, no loop over
+        names)."""
+        if nn.modules.module._has_any_global_hook():
             return False
-        return all(
-            type(module) is plain and not any(getattr(module, name) for name in hooks) for module, plain in modules
-        )
+        for module, plain in modules:
+            if type(module) is not plain or (
+                module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks
+            ):  # fmt: skip
+                return False
+        return True
 
     def _project_out(self, y: torch.Tensor, add_to: torch.Tensor | None) -> torch.Tensor:
         """`out_proj(y)`, or `add_to + out_proj(y)`: the sum as the GEMM's own accumulation (addmm) where `out_proj`
