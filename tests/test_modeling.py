@@ -1,5 +1,6 @@
 """The Transformers model against independent references: naive loops, Mistral, itself without the cache."""
 
+import contextlib
 import math
 
 import pytest
@@ -133,6 +134,20 @@ def test_attention_path_matches_mistral_when_ssm_is_off(make_model):
         ours = model.generate(ids[:1], max_new_tokens=12, do_sample=False)
         theirs = mistral.generate(ids[:1], max_new_tokens=12, do_sample=False)
     assert torch.equal(ours, theirs)
+
+
+@contextlib.contextmanager
+def cpu_threads_for(attn_implementation: str):
+    """One CPU thread for flex attention: Inductor's CPU flex kernel corrupts the heap when it runs on more than one
+    thread on some hosts (pytorch/pytorch#153145, open; here a 2-core AMD EPYC, torch 2.11: "corrupted double-linked
+    list", then an abort that takes the whole test run with it). The other implementations keep the host's threads."""
+    threads = torch.get_num_threads()
+    if attn_implementation == "flex_attention":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,7 +421,7 @@ def test_other_cache_implementations_are_refused_by_name(make_model, implementat
 def test_attention_implementations_agree_with_eager(make_model, attn_implementation):
     model = make_model()
     ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (29, 13)], model.config.pad_token_id)
-    with torch.no_grad():
+    with torch.no_grad(), cpu_threads_for(attn_implementation):
         reference = model(ids, attention_mask=mask).logits
         model.set_attn_implementation(attn_implementation)
         logits = model(ids, attention_mask=mask).logits
@@ -423,7 +438,7 @@ def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, a
     narrow.load_state_dict(model.state_dict())
     ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (21, 14)], model.config.pad_token_id)
     real = mask.bool()
-    with torch.no_grad():
+    with torch.no_grad(), cpu_threads_for(attn_implementation):
         wide_logits = model(ids, attention_mask=mask).logits
         model.set_attention_window(3)
         torch.testing.assert_close(
@@ -442,7 +457,7 @@ def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, a
     assert AutoConfig.from_pretrained(tmp_path).sliding_window == 8
     model.eval()
     model.set_attention_window(None)
-    with torch.no_grad():
+    with torch.no_grad(), cpu_threads_for(attn_implementation):
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, wide_logits)
 
 
@@ -559,3 +574,45 @@ def test_the_branch_adds_its_output_to_the_attention_in_its_out_proj_gemm(ssm_ty
         branch.out_proj.register_forward_hook(lambda _module, _inputs, output: 2 * output)
         hooked, _ = run(attention)
         torch.testing.assert_close(hooked, attention + 2 * alone, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
+@pytest.mark.parametrize("cached", [False, True], ids=["sequence", "decode-step"])
+def test_a_global_module_hook_sends_the_branch_through_its_modules(ssm_type, cached):
+    """A hook registered for every module (`torch.nn.modules.module.register_module_forward_hook`, as profilers and
+    debuggers set) must see the branch's projections called, as it sees every other module: with one set, the branch
+    neither reads their weights into its fused op nor folds out_proj into an addmm, and what the hook returns is what
+    the branch uses."""
+    config = tiny_config(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
+    model = HybridForCausalLM(config).eval()
+    branch = model.model.layers[0].self_attn.ssm
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        branch.out_proj.weight.copy_(torch.randn(branch.out_proj.weight.shape, generator=generator) * 0.1)
+    ids = torch.randint(3, 97, (2, 7), generator=generator)
+    hidden = torch.randn(2, 1 if cached else 7, config.hidden_size, generator=generator)
+    attention = torch.randn(2, hidden.shape[1], config.num_attention_heads * config.head_dim, generator=generator)
+
+    def run():
+        cache = model(ids, use_cache=True).past_key_values if cached else None
+        return branch(hidden, cache, add_to=attention)
+
+    called = []
+
+    def doubling_out_proj(module, _inputs, output):
+        called.append(module)
+        return 2 * output if module is branch.out_proj else output
+
+    with torch.no_grad():
+        plain = run()
+        alone = plain - attention
+        handle = torch.nn.modules.module.register_module_forward_hook(doubling_out_proj)
+        try:
+            hooked = run()
+        finally:
+            handle.remove()
+    projections = [module for module in branch.children() if isinstance(module, torch.nn.Linear)]
+    assert projections and all(any(m is module for m in called) for module in projections), [
+        type(m).__name__ for m in called
+    ]
+    torch.testing.assert_close(hooked, attention + 2 * alone, atol=1e-5, rtol=1e-4)
