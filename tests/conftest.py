@@ -58,6 +58,15 @@ def bf16_dot_in_the_interpreter():
         yield
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored():
+    """Every test leaves torch's CPU thread count as it found it (some set one thread, to time the host's work or to
+    train deterministically): a test's outcome must not depend on which tests ran before it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 # The Mamba-2 branch of the tiny model: E 48 = 4 heads x 12 channels in 2 groups, chunks of 4 tokens (so that every
 # test crosses chunk boundaries). Tensor parallel 2 shards it (2 heads and a group per rank; with ssm_n_groups 1, the
 # group on both).
