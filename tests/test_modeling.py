@@ -540,6 +540,22 @@ def test_branch_norm_without_the_branch_normalises_the_attention_alone(make_mode
             assert (scaled - reference).abs().max() > 1e-2
 
 
+def first_branch_and_inputs(ssm_type: str, cached: bool, seed: int):
+    """A tiny model of `ssm_type`, its first layer's branch with a random out_proj (a fresh one is zero), prompt ids
+    [2, 7] to build a cache from, and the branch's input [2, T, hidden] and an attention output [2, T, H * D] (T 1
+    for a decode step when `cached`, else 7)."""
+    config = tiny_config(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
+    model = HybridForCausalLM(config).eval()
+    branch = model.model.layers[0].self_attn.ssm
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        branch.out_proj.weight.copy_(torch.randn(branch.out_proj.weight.shape, generator=generator) * 0.1)
+    ids = torch.randint(3, 97, (2, 7), generator=generator)
+    hidden = torch.randn(2, 1 if cached else 7, config.hidden_size, generator=generator)
+    attention = torch.randn(2, hidden.shape[1], config.num_attention_heads * config.head_dim, generator=generator)
+    return model, branch, ids, hidden, attention
+
+
 @pytest.mark.parametrize("ssm_type", ["mamba1", "mamba2"])
 @pytest.mark.parametrize("cached", [False, True], ids=["sequence", "decode-step"])
 def test_the_branch_adds_its_output_to_the_attention_in_its_out_proj_gemm(ssm_type, cached):
@@ -547,15 +563,7 @@ def test_the_branch_adds_its_output_to_the_attention_in_its_out_proj_gemm(ssm_ty
     (addmm): no add op of its own, so one launch a layer fewer and one node fewer in a compiled decode step. The sum
     is attention + s, s as the branch returns it alone; with a hook on out_proj (an adapter's path) the module is
     called and what the hook returns is added."""
-    config = tiny_config(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
-    model = HybridForCausalLM(config).eval()
-    branch = model.model.layers[0].self_attn.ssm
-    generator = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        branch.out_proj.weight.copy_(torch.randn(branch.out_proj.weight.shape, generator=generator) * 0.1)
-    ids = torch.randint(3, 97, (2, 7), generator=generator)
-    hidden = torch.randn(2, 1 if cached else 7, config.hidden_size, generator=generator)
-    attention = torch.randn(2, hidden.shape[1], config.num_attention_heads * config.head_dim, generator=generator)
+    model, branch, ids, hidden, attention = first_branch_and_inputs(ssm_type, cached, seed=4)
 
     def run(add_to):
         """The branch's output for `hidden`, from a fresh cache of `ids` when `cached` (its state is updated)."""
@@ -583,15 +591,7 @@ def test_a_global_module_hook_sends_the_branch_through_its_modules(ssm_type, cac
     debuggers set) must see the branch's projections called, as it sees every other module: with one set, the branch
     neither reads their weights into its fused op nor folds out_proj into an addmm, and what the hook returns is what
     the branch uses."""
-    config = tiny_config(**(MAMBA2_BRANCH if ssm_type == "mamba2" else {}))
-    model = HybridForCausalLM(config).eval()
-    branch = model.model.layers[0].self_attn.ssm
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        branch.out_proj.weight.copy_(torch.randn(branch.out_proj.weight.shape, generator=generator) * 0.1)
-    ids = torch.randint(3, 97, (2, 7), generator=generator)
-    hidden = torch.randn(2, 1 if cached else 7, config.hidden_size, generator=generator)
-    attention = torch.randn(2, hidden.shape[1], config.num_attention_heads * config.head_dim, generator=generator)
+    model, branch, ids, hidden, attention = first_branch_and_inputs(ssm_type, cached, seed=5)
 
     def run():
         cache = model(ids, use_cache=True).past_key_values if cached else None
