@@ -120,9 +120,10 @@ case "${1:-kernels}" in
     # results nor loses its own report when the call's limit comes.
     status=0
     echo "$runner" >> "$OUT/pytest_vllm.log"  # a saved log says which model runner its engines ran on
-    tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm_triton_path.py \
+    # The engine tests (test_vllm.py: Transformers' tokens through vLLM) first: a call's time limit cuts the last ones
+    tests=$(python3 -m pytest -q --collect-only -p no:warnings tests/test_vllm.py tests/test_vllm_triton_path.py \
             tests/test_vllm_mamba2_triton_path.py tests/test_vllm_mamba2_tensor_parallel.py tests/test_vllm_ssm_metadata.py \
-            tests/test_vllm.py ${2:+-k "$2"} \
+            ${2:+-k "$2"} \
             | grep '::')
     if [[ -z $tests ]]; then
       echo "no vLLM test collected: is vLLM staged and importable?" >&2
