@@ -16,7 +16,7 @@ what is timed is the branch's own Python and aten work (the interpreter's is not
     python scripts/bench_host_work.py                      # GPU: the issue-36 probe's layer width (hidden 1024, E 2048)
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200
     TRITON_INTERPRET=1 python scripts/bench_host_work.py --stub-kernels --hidden 64 --seq-len 200 --ssm-type mamba2
-    TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64 [--static-graph]
+    TRITON_INTERPRET=1 python scripts/bench_host_work.py --decode --stub-kernels --hidden 64 [--static-graph|--ablate]
 """
 
 import argparse
@@ -127,7 +127,8 @@ def timed_steps(step, args, device: str, repeats: int | None = None) -> list[flo
 def decode_host_work(args, device: str) -> dict:
     """One cached decode step of the whole model, batch `args.batch` after a 64-token prompt, for the hybrid on its
     branch step (`fused`), the hybrid through its modules (`modules`: a no-op hook on every x_proj), the hybrid with
-    the Mamba-2 branch (`mamba2`: its conv update, state update and gated norm) and Mistral."""
+    the Mamba-2 branch (`mamba2`: its conv update, state update and gated norm) and Mistral; with `--ablate`, the
+    hybrid with every branch reduced to nothing (`no branch`) and to its in_proj (`in_proj`)."""
     from bench_generate import SHAPES, build_models
 
     shape = dict(
@@ -143,18 +144,35 @@ def decode_host_work(args, device: str) -> dict:
     # generate() passes the growing 2D attention mask with every step (all ones here: no padding)
     mask = torch.ones(args.batch, max_len, dtype=torch.long, device=device)
     paths = (("fused", "hybrid"), ("modules", "hybrid"), ("mamba2", "hybrid-mamba2"), ("mistral", "swa"))
+    if args.ablate:
+        paths += (("no branch", "hybrid"), ("in_proj", "hybrid"))
+
+    def ablated(branch, path: str):
+        """The branch's forward reduced to nothing (its caller's output returned as is) or to its in_proj alone."""
+
+        def forward(hidden_states, past_key_values=None, padding_mask=None, seq_idx=None, add_to=None):
+            if path == "in_proj":
+                branch.in_proj(hidden_states)
+            return add_to
+
+        return forward
 
     @contextlib.contextmanager
     def on_path(path: str, model):
-        """The `modules` path: a no-op hook on every x_proj for the block; the others as they are."""
-        hooks = [] if path != "modules" else [
-            layer.self_attn.ssm.x_proj.register_forward_hook(lambda *a: None) for layer in model.model.layers
-        ]  # fmt: skip
+        """The `modules` path: a no-op hook on every x_proj for the block; the ablations: every branch's forward
+        replaced (`ablated`); the others as they are."""
+        on_branches = path in ("modules", "no branch", "in_proj")
+        branches = [layer.self_attn.ssm for layer in model.model.layers] if on_branches else []
+        hooks = [branch.x_proj.register_forward_hook(lambda *a: None) for branch in branches if path == "modules"]
+        for branch in branches if path in ("no branch", "in_proj") else ():
+            branch.forward = ablated(branch, path)
         try:
             yield
         finally:
             for hook in hooks:
                 hook.remove()
+            for branch in branches:
+                branch.__dict__.pop("forward", None)
 
     # Each path on its own cache; the paths timed in turn, one repeat each, the order reversed every other round, so
     # that the host's drift during the run (its clock, the processes beside it) falls on all of them alike.
@@ -422,6 +440,11 @@ def main(argv=None) -> int:
         "--decode", action="store_true",
         help="a cached decode step of the whole model (hybrid fused and through its modules, Mistral) instead of the "
         "branch's training step; --batch is then the number of rows (8 unless given)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ablate", action="store_true",
+        help="with --decode: also the hybrid with every branch's forward reduced to nothing (`no branch`) and to its "
+        "in_proj alone (`in_proj`): how much of the step's host work beyond Mistral's the branch call is",
     )  # fmt: skip
     parser.add_argument(
         "--static-graph", action="store_true",

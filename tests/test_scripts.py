@@ -381,11 +381,13 @@ def test_bench_generate_times_each_model_on_the_same_greedy_workload(tmp_path):
 def test_bench_host_work_decode_counts_less_host_work_on_the_fused_branch_step(tmp_path):
     """bench_host_work.py --decode on CPU (Triton launches stubbed): a cached decode step of the hybrid dispatches
     fewer aten ops with its branch step as one op than through its modules, two Triton launches a layer either way
-    (three with the Mamba-2 branch), and Mistral none; the counts are the model's own, taken the same way for all."""
+    (three with the Mamba-2 branch), and Mistral none; the counts are the model's own, taken the same way for all.
+    The ablations (`--ablate`) leave the hybrid's layer without its branch at Mistral's ops, and with in_proj alone one
+    op a layer more."""
     result = tmp_path / "host_work.json"
     command = [
         sys.executable, str(REPO_ROOT / "scripts" / "bench_host_work.py"), "--decode", "--stub-kernels",
-        "--hidden", "64", "--steps", "1", "--repeats", "1", "--json", str(result),
+        "--hidden", "64", "--steps", "1", "--repeats", "1", "--ablate", "--json", str(result),
     ]  # fmt: skip
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env, check=False)
@@ -397,3 +399,7 @@ def test_bench_host_work_decode_counts_less_host_work_on_the_fused_branch_step(t
     # the conv update, the state update and the gated norm (the bench hands the norm module its kernels, as CUDA does)
     assert rows["mamba2"]["triton_launches_per_layer"] == 3
     assert rows["mistral"]["triton_launches_per_layer"] == 0
+    assert rows["no branch"]["triton_launches_per_layer"] == rows["in_proj"]["triton_launches_per_layer"] == 0
+    assert abs(rows["no branch"]["aten_ops_per_layer"] - rows["mistral"]["aten_ops_per_layer"]) < 1
+    linear = {path: rows[path]["ops_per_layer"]["aten.linear.default"] for path in ("no branch", "in_proj")}
+    assert linear["in_proj"] == linear["no branch"] + 1
