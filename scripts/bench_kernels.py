@@ -893,16 +893,13 @@ SCAN_COMBOS = [  # launch settings of the training scan that interact, timed fwd
 def bench_step(args) -> list[Row]:
     """generate()'s decode step of the Mamba-1 branch between its projections (`Mamba1Branch._decode_step`, bf16
     weights, fp32 state, the shapes of bench_generate.py's small model by default): with plain modules the fused op
-    (`mamba_inner_step`, two launches), against the same branch on its module path, the path an adapter or a hook on
-    conv1d, x_proj or dt_proj takes (the conv update's kernel, the x_proj and dt_proj GEMMs, the state update's
-    kernel). A decode batch moves little: these rows time launch latency and dependent memory trips."""
+    (`mamba_inner_step`, two launches), against the same branch on its module path (a no-op hook on x_proj), the path
+    an adapter or a hook on conv1d, x_proj or dt_proj takes (the conv update's kernel, the x_proj and dt_proj GEMMs,
+    the state update's kernel). A decode batch moves little: these rows time launch latency and dependent memory
+    trips."""
     from configuration import HybridConfig
     from modeling.history.mamba1 import KERNEL_OPS, Mamba1Branch
     from modeling.ops import mamba_inner_step_ref
-
-    class ModulePathBranch(Mamba1Branch):
-        def _inner_modules_are_plain(self) -> bool:
-            return False
 
     batch, E, R = args.step_batch, args.step_channels, args.step_dt_rank
     # the attention's sizes shape only in_proj and out_proj, which the step leaves out
@@ -911,36 +908,42 @@ def bench_step(args) -> list[Row]:
         ssm_dt_rank=R,
     )  # fmt: skip
     torch.manual_seed(0)
-    fused_branch = Mamba1Branch(config, layer_idx=0)
-    fused_branch.init_weights()
+    branch = Mamba1Branch(config, layer_idx=0)
+    branch.init_weights()
     with torch.no_grad():  # a trained conv's bias, not init's zeros
-        fused_branch.conv1d.bias.normal_(std=0.1)
-    fused_branch.to(DEVICE, torch.bfloat16)
-    module_branch = ModulePathBranch(config, layer_idx=0).to(DEVICE, torch.bfloat16)
-    module_branch.load_state_dict(fused_branch.state_dict())
+        branch.conv1d.bias.normal_(std=0.1)
+    branch.to(DEVICE, torch.bfloat16)
     N, K = config.ssm_state_size, config.ssm_conv_kernel_size
     shape = f"B={batch} E={E} R={R} N={N} K={K}"
     xz = randn(batch, 1, 2 * E)
     conv_state, ssm_state = randn(batch, E, K - 1), randn(batch, E, N, dtype=torch.float32)
 
-    def step(branch, conv, ssm):
+    def step(conv, ssm):
         return branch._decode_step(xz, SimpleNamespace(conv_states=[conv], recurrent_states=[ssm]), None, KERNEL_OPS)
 
-    b = fused_branch
-    weights = (b.conv1d.weight, b.conv1d.bias, b.x_proj.weight, b.dt_proj.weight, b.dt_proj.bias, b.A_log, b.D)
+    def on_module_path(fn):
+        """`fn()` with a no-op hook on x_proj, which sends the branch down its module path as an adapter would."""
+        hook = branch.x_proj.register_forward_hook(lambda *args: None)
+        try:
+            return fn()
+        finally:
+            hook.remove()
+
+    weights = (branch.conv1d.weight, branch.conv1d.bias, branch.x_proj.weight, branch.dt_proj.weight,
+               branch.dt_proj.bias, branch.A_log, branch.D)  # fmt: skip
     ref_conv, ref_ssm = conv_state.double(), ssm_state.double()
     ref = mamba_inner_step_ref(xz.double(), *(w.double() for w in weights), ref_conv, ref_ssm)
     errs = {}
-    for name, branch in (("fused", fused_branch), ("module path", module_branch)):
+    for name, run in (("fused", lambda fn: fn()), ("module path", on_module_path)):
         got_conv, got_ssm = conv_state.clone(), ssm_state.clone()
-        got = step(branch, got_conv, got_ssm)
+        got = run(lambda: step(got_conv, got_ssm))
         errs[name] = max(rel_err(got, ref), rel_err(got_conv, ref_conv), rel_err(got_ssm, ref_ssm))
     # the weights, the caches read and written, xz in and y out
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     cache_bytes = 2 * (conv_state.numel() * conv_state.element_size() + ssm_state.numel() * 4)
     total = weight_bytes + cache_bytes + xz.numel() * 2 + batch * E * 2
-    fused_ms = median_ms(lambda: step(fused_branch, conv_state, ssm_state))
-    module_ms = median_ms(lambda: step(module_branch, conv_state, ssm_state))
+    fused_ms = median_ms(lambda: step(conv_state, ssm_state))
+    module_ms = on_module_path(lambda: median_ms(lambda: step(conv_state, ssm_state)))
     return [
         Row("step", "Triton mamba_inner_step (2 launches)", shape, fused_ms, bytes=total, rel_err=errs["fused"],
             note=f"{module_ms / fused_ms:.2f}x the module path"),
