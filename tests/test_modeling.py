@@ -1,6 +1,5 @@
 """The Transformers model against independent references: naive loops, Mistral, itself without the cache."""
 
-import contextlib
 import math
 
 import pytest
@@ -136,18 +135,13 @@ def test_attention_path_matches_mistral_when_ssm_is_off(make_model):
     assert torch.equal(ours, theirs)
 
 
-@contextlib.contextmanager
-def cpu_threads_for(attn_implementation: str):
-    """One CPU thread for flex attention: Inductor's CPU flex kernel corrupts the heap when it runs on more than one
-    thread on some hosts (pytorch/pytorch#153145, open; here a 2-core AMD EPYC, torch 2.11: "corrupted double-linked
-    list", then an abort that takes the whole test run with it). The other implementations keep the host's threads."""
-    threads = torch.get_num_threads()
+def one_cpu_thread_for(attn_implementation: str) -> None:
+    """One CPU thread for flex attention (conftest's `torch_threads_restored` gives the count back after the test):
+    Inductor's CPU flex kernel corrupts the heap when it runs on more than one thread on some hosts
+    (pytorch/pytorch#153145, open; here a 2-core AMD EPYC, torch 2.11: "corrupted double-linked list", then an abort
+    that takes the whole test run with it). The other implementations keep the host's threads."""
     if attn_implementation == "flex_attention":
         torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def left_pad(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,9 +413,10 @@ def test_other_cache_implementations_are_refused_by_name(make_model, implementat
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "flex_attention"])
 def test_attention_implementations_agree_with_eager(make_model, attn_implementation):
+    one_cpu_thread_for(attn_implementation)
     model = make_model()
     ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (29, 13)], model.config.pad_token_id)
-    with torch.no_grad(), cpu_threads_for(attn_implementation):
+    with torch.no_grad():
         reference = model(ids, attention_mask=mask).logits
         model.set_attn_implementation(attn_implementation)
         logits = model(ids, attention_mask=mask).logits
@@ -433,12 +428,13 @@ def test_attention_implementations_agree_with_eager(make_model, attn_implementat
 def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, attn_implementation, tmp_path):
     """`set_attention_window(w)` computes what the same weights compute with `sliding_window=w` (the full-attention
     layer unchanged), in training and with padding; None restores the config's window, which is what is saved."""
+    one_cpu_thread_for(attn_implementation)
     model = make_model(attn_implementation=attn_implementation, sliding_window=8)
     narrow = make_model(attn_implementation=attn_implementation, sliding_window=3)
     narrow.load_state_dict(model.state_dict())
     ids, mask = left_pad([torch.randint(3, 97, (n,)) for n in (21, 14)], model.config.pad_token_id)
     real = mask.bool()
-    with torch.no_grad(), cpu_threads_for(attn_implementation):
+    with torch.no_grad():
         wide_logits = model(ids, attention_mask=mask).logits
         model.set_attention_window(3)
         torch.testing.assert_close(
@@ -457,7 +453,7 @@ def test_a_narrower_attention_window_is_the_model_with_that_window(make_model, a
     assert AutoConfig.from_pretrained(tmp_path).sliding_window == 8
     model.eval()
     model.set_attention_window(None)
-    with torch.no_grad(), cpu_threads_for(attn_implementation):
+    with torch.no_grad():
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, wide_logits)
 
 
