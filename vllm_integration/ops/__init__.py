@@ -7,8 +7,6 @@ functions; import it where the kernels run):
                       any query length; what vLLM's prefills run)
     hybrid_decode     the decode step: the window attention and the history branch's state update fused in one
                       launch (`hybrid_decode`, `hybrid_decode_ssd`: what vLLM's decodes run)
-    zero_states       the state slots of requests' first tokens among the decode rows zeroed (`zero_new_states_`,
-                      what the Mamba-2 branch runs before vLLM's conv update, which always continues a slot)
     attention_tile.py the window-attention steps both attention kernels are built from: the online-softmax step
                       over a tile of paged keys, and the merge of split-K partials (the fused decode's)
 
@@ -19,12 +17,10 @@ with the Transformers model and live in modeling/ops.
 
 from .hybrid_decode import hybrid_decode_ref, hybrid_decode_ssd_ref, window_attention_decode_ref
 from .paged_attention import paged_window_attention_ref
-from .zero_states import zero_new_states_ref
 
 __all__ = [
     "hybrid_decode_ref",
     "hybrid_decode_ssd_ref",
     "paged_window_attention_ref",
     "window_attention_decode_ref",
-    "zero_new_states_ref",
 ]
