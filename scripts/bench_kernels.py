@@ -533,7 +533,8 @@ def bench_prefill(args) -> list[Row]:
 def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chunk=256) -> list[Row]:
     """The same packed prefills through a Mamba-2 branch of the same width as `hybrid-mamba2` serves it (E / 64 heads
     of 64 channels, one group, N 128, chunks of 256), as vllm_integration/history/mamba2.py runs them: our conv over
-    the E + 2N conv channels (channel-last rows), then vLLM's chunked scan (`mamba_chunk_scan_combined_varlen`) from
+    the E + 2N conv channels (channel-last rows of a wider in_proj output), then vLLM's chunked scan
+    (`mamba_chunk_scan_combined_varlen`) on views of the conv's output (x, B, C) and of the in_proj output (dt), from
     the slots' states (zeros for fresh prefills) into them, its chunks built beforehand as the metadata builder does.
     Beside it: the same with vLLM's conv (`causal_conv1d_fn` on a [C, T] view, its program tables built beforehand),
     and each conv and the scan alone. The conv and the scan checked against `causal_conv1d_varlen_ref` and
@@ -545,11 +546,11 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     heads, conv_channels = channels // head_dim, channels + 2 * state
     num_seqs, num_slots = b.slots.shape[0], b.conv_state0.shape[0]
     seqs = (b.cu_seqlens, b.slots, b.has_initial)
-    xbc = randn(total, conv_channels)
+    # in_proj's output: z | xBC | dt
+    in_proj_out = randn(total, channels + conv_channels + heads, scale=0.5)
+    xbc, dt = in_proj_out[:, channels:-heads], in_proj_out[:, -heads:]
     weight = randn(conv_channels, 4, scale=0.5)
     conv_state0 = randn(num_slots, 3, conv_channels).transpose(1, 2)  # vLLM's layout: [slots, C, K-1] view
-    x, B, C = randn(total, heads, head_dim), randn(total, 1, state), randn(total, 1, state)
-    dt = randn(total, heads, scale=0.5)
     A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
     D, dt_bias = randn(heads, dtype=torch.float32), randn(heads, dtype=torch.float32, scale=0.5) - 3
     ssm_state0 = randn(num_slots, heads, head_dim, state, dtype=torch.float32)
@@ -571,7 +572,12 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
         )  # fmt: skip
         return out.copy_(y.T)
 
-    def scan(ssm_state, out):
+    def heads_and_groups(conv_out):
+        x, B, C = conv_out.split([channels, state, state], dim=-1)
+        return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (1, state)), C.unflatten(-1, (1, state))
+
+    def scan(conv_out, ssm_state, out):
+        x, B, C = heads_and_groups(conv_out)
         initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
         final = vllm["mamba_chunk_scan_combined_varlen"](
             x, dt, A, B, C, chunk, b.cu_seqlens, *chunks, out, D=D, dt_bias=dt_bias, initial_states=initial,
@@ -588,7 +594,8 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
         got = conv(got_state, torch.full_like(xbc, float("nan")))
         errs[name] = {"conv": rel_err(got, conv_want), "conv_state": rel_err(got_state, conv_want_state)}
     scan_state, want_state = ssm_state0.clone(), ssm_state0.clone()
-    got = scan(scan_state, torch.full_like(x, float("nan")))
+    x, B, C = heads_and_groups(conv_want)
+    got = scan(conv_want, scan_state, torch.full_like(x, float("nan")))
     want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, *seqs, chunk, dt_bias=dt_bias,
                                dt_softplus=True)  # fmt: skip
     scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(scan_state, want_state)}
@@ -598,14 +605,13 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     conv_state_bytes = 2 * num_seqs * conv_channels * 3 * 2
     conv_bytes = total * 2 * conv_channels * 2 + conv_state_bytes  # xBC in, out
     scan_bytes = total * (heads * 2 + 2 * channels * 2 + 2 * state * 2) + 2 * num_seqs * heads * head_dim * state * 4
-    work_conv, work_xbc = conv_state0.clone(), torch.empty_like(xbc)
+    work_conv, work_xbc = conv_state0.clone(), conv_want.clone()
     work_state, work_y = ssm_state0.clone(), torch.empty_like(x)
     shape = f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state}"
     conv_shape = f"{b.shape.split(', ')[0]}, C={conv_channels} K=4"
 
     def conv_then_scan(conv):
-        conv(work_conv, work_xbc)
-        return scan(work_state, work_y)
+        return scan(conv(work_conv, work_xbc), work_state, work_y)
 
     def row(variant, fn, bytes, row_shape=shape, extra=None):
         return Row("prefill", variant, row_shape, median_ms(fn), bytes=bytes,
@@ -617,9 +623,9 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
         row("Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
             lambda: conv_then_scan(vllm_conv), conv_bytes + scan_bytes, extra=errs["vllm"]),
         row("Mamba-2 conv alone: our conv varlen", lambda: our_conv(work_conv, work_xbc), conv_bytes, conv_shape),
-        row("Mamba-2 conv alone: vLLM causal_conv1d_fn", lambda: vllm_conv(work_conv, work_xbc), conv_bytes,
-            conv_shape),
-        row("Mamba-2 scan alone: vLLM mamba_chunk_scan_combined_varlen", lambda: scan(work_state, work_y),
+        row("Mamba-2 conv alone: vLLM causal_conv1d_fn + its [C, T] output copied to [T, C] (as served before)",
+            lambda: vllm_conv(work_conv, work_xbc), conv_bytes, conv_shape),
+        row("Mamba-2 scan alone: vLLM mamba_chunk_scan_combined_varlen", lambda: scan(work_xbc, work_state, work_y),
             scan_bytes),
     ]  # fmt: skip
 

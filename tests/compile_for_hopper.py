@@ -57,9 +57,10 @@ def model_training_and_decode_steps():
 
 
 def serving_ssm_kernels():
-    """The serving branch's prefill and decode kernels (`Mamba1Branch.triton_ops` in vllm_integration/history) as its
-    layer calls them: bf16 activations (column views of the in_proj and x_proj outputs), the raw dt with its bias, fp32 state
-    cache slots."""
+    """The serving branches' prefill and decode kernels but the fused decode (`Mamba1Branch.triton_ops`, and the conv
+    of `Mamba2Branch.triton_ops`, in vllm_integration/history) as their layers call them: bf16 activations (column
+    views of the in_proj and x_proj outputs), the raw dt with its bias, fp32 state cache slots, the decode conv with
+    the first-token flags and on vLLM's [slots, K-1, C] conv state as well."""
     from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
     from modeling.ops.selective_scan.interface import selective_scan_varlen_fwd, selective_state_update
 
@@ -84,6 +85,9 @@ def serving_ssm_kernels():
     )  # fmt: skip
     decodes = torch.tensor([0, 4, -1], dtype=torch.int32)
     causal_conv1d_update(xs[:3], weight, bias, conv_state, decodes, "silu", u[:3])
+    vllm_layout = torch.randn(slots, 3, channels, dtype=torch.bfloat16).transpose(1, 2)
+    first_tokens = torch.tensor([True, False, True])
+    causal_conv1d_update(xs[:3], weight, bias, vllm_layout, decodes, "silu", u[:3], has_initial_state=first_tokens)
     selective_state_update(ssm_state, u[:3], dt[:3], A, B[:3], C[:3], D, z[:3], dt_bias, decodes, out[:3])
 
 

@@ -259,6 +259,7 @@ VARLEN_CASES = [  # dtype, K, conv-state layout, (block_t, block_e) or None, dty
     (torch.float32, 4, "slot-K-E", (8, 8), torch.int32),
     (torch.bfloat16, 4, "slot-E-K", (8, 16), torch.int32),
     (torch.float16, 3, "slot-K-E", None, torch.int64),
+    (torch.float32, 5, "slot-K-E", (8, 8), torch.int32),  # wider than vLLM's conv kernels take
 ]
 
 
@@ -305,6 +306,7 @@ DECODE_CASES = [  # dtype, K, conv-state layout, block_e or None, dtype of state
     (torch.float32, 4, "slot-K-E", 8, torch.int32),
     (torch.bfloat16, 4, "slot-E-K", None, torch.int64),
     (torch.float16, 2, "slot-K-E", 16, torch.int32),
+    (torch.float32, 5, "slot-K-E", 8, torch.int32),  # wider than vLLM's conv kernels take
 ]
 
 

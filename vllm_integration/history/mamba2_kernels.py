@@ -10,7 +10,8 @@ turned on: tests/test_vllm_mamba2_triton_path.py).
 
 What the adapters add to the kernels, as `MambaMixer2` does around them: dt's bias and softplus run inside the scan
 (dt_bias, dt_softplus), as in the references given them; the prefills' initial states are gathered from their slots
-(zeros for fresh prefills) and their final states written back; the results land in the caller's buffers.
+(zeros for fresh prefills) and their final states written back, and the scan's output lands in the caller's buffer
+(the norm returns a new tensor, which the branch copies into its output).
 """
 
 import torch
