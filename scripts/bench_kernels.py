@@ -537,10 +537,11 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     (`mamba_chunk_scan_combined_varlen`) on views of the conv's output (x, B, C) and of the in_proj output (dt), from
     the slots' states (zeros for fresh prefills) into them, its chunks built beforehand as the metadata builder does.
     Beside it: the same with vLLM's conv (`causal_conv1d_fn` on a [C, T] view, its program tables built beforehand),
-    and each conv and the scan alone. The conv and the scan checked against `causal_conv1d_varlen_ref` and
-    `ssd_varlen_scan_ref`."""
+    each conv and the scan alone, and our packed-prefill scan (`ssd_varlen_scan_fwd`, tiles of 64) alone. The convs
+    and the scans checked against `causal_conv1d_varlen_ref` and `ssd_varlen_scan_ref`."""
     from modeling.ops import causal_conv1d_varlen_ref, ssd_varlen_scan_ref
     from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
+    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     total, channels = b.xs.shape
     heads, conv_channels = channels // head_dim, channels + 2 * state
@@ -586,6 +587,10 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
         ssm_state[b.slots] = final
         return out
 
+    def our_scan(conv_out, ssm_state, out):
+        x, B, C = heads_and_groups(conv_out)
+        return ssd_varlen_scan_fwd(x, dt, A, B, C, D, ssm_state, *seqs, chunk, out, dt_bias=dt_bias, dt_softplus=True)
+
     conv_want_state = conv_state0.clone()
     conv_want = causal_conv1d_varlen_ref(xbc, weight, None, conv_want_state, *seqs, "silu")
     errs = {}
@@ -599,6 +604,9 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, *seqs, chunk, dt_bias=dt_bias,
                                dt_softplus=True)  # fmt: skip
     scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(scan_state, want_state)}
+    our_state = ssm_state0.clone()
+    got = our_scan(conv_want, our_state, torch.full_like(x, float("nan")))
+    our_scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(our_state, want_state)}
     for name in errs:
         errs[name] |= scan_errs
 
@@ -626,7 +634,9 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
         row("Mamba-2 conv alone: vLLM causal_conv1d_fn + its [C, T] output copied to [T, C] (as served before)",
             lambda: vllm_conv(work_conv, work_xbc), conv_bytes, conv_shape),
         row("Mamba-2 scan alone: vLLM mamba_chunk_scan_combined_varlen", lambda: scan(work_xbc, work_state, work_y),
-            scan_bytes),
+            scan_bytes, extra=scan_errs),
+        row("Mamba-2 scan alone: our ssd_varlen_scan_fwd", lambda: our_scan(work_xbc, work_state, work_y),
+            scan_bytes, extra=our_scan_errs),
     ]  # fmt: skip
 
 

@@ -175,6 +175,27 @@ def mamba2_training_scan():
         (y.float().sum() + (final_state.sum() if packed else 0)).backward()
 
 
+def mamba2_serving_scan():
+    """Mamba-2's packed prefills over state slots (varlen.py) as the served branch would call them: bf16 x, B and C
+    views of the conv's output, the raw bf16 dt (a column view of in_proj's output) with its fp32 bias and softplus,
+    an fp32 and a bf16 state cache."""
+    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
+
+    tokens, heads, head_dim, state = 200, 8, 64, 128
+    conv_out = torch.randn(tokens, heads * head_dim + 2 * state, dtype=torch.bfloat16)
+    x = conv_out[:, : heads * head_dim].unflatten(-1, (heads, head_dim))
+    B, C = conv_out[:, heads * head_dim :].unflatten(-1, (2, 1, state)).unbind(1)
+    dt = torch.randn(tokens, heads + 8, dtype=torch.bfloat16)[:, :heads]
+    A, D, dt_bias = -torch.rand(heads), torch.randn(heads), torch.randn(heads)
+    bounds, slots = torch.tensor([0, 70, 71, 200], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        cache = torch.randn(4, heads, head_dim, state, dtype=cache_dtype)
+        ssd_varlen_scan_fwd(
+            x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
+            dt_softplus=True,
+        )  # fmt: skip
+
+
 def mamba2_gated_norm():
     """Mamba-2's gated norm as the branch calls it: bf16 y, z a column view of in_proj's output, fp32 weight, groups of
     a model's width and of a non-power-of-two one; forward and backward."""
@@ -189,7 +210,7 @@ def mamba2_gated_norm():
 
 
 CASES = (
-    model_training_and_decode_steps, mamba2_decode_kernel, mamba2_training_scan, mamba2_gated_norm,
+    model_training_and_decode_steps, mamba2_decode_kernel, mamba2_training_scan, mamba2_serving_scan, mamba2_gated_norm,
     serving_ssm_kernels, serving_attention_kernels,
 )  # fmt: skip
 

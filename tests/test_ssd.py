@@ -363,6 +363,50 @@ def test_the_triton_scan_refuses_what_it_cannot_compute():
         ssd_chunk_scan_fn(wide, dt[..., :1], A[:1], B[:, :, :1], C[:, :, :1], D[:1])
 
 
+# Packed prefills: a sequence continuing its slot across two tiles of 64, one of a single token (fresh), one
+# continuing with fewer tokens than a tile, a long fresh one; three padding tokens after them.
+VARLEN_LENGTHS, VARLEN_SLOTS, VARLEN_INITIAL = [70, 1, 9, 133], [4, 0, 6, 2], [True, False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
+def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype):
+    """modeling/ops/ssd/varlen.py, the served Mamba-2 prefills: outputs (poisoned first; padding rows left as they
+    were) and the whole state cache (the sequences' slots hold their final states, every other slot is untouched)
+    against `ssd_varlen_scan_ref` on the same inputs, the raw dt with its bias and softplus, 4 heads in 2 groups."""
+    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
+
+    heads, head_dim, groups, state = 4, 16, 2, 32
+    num_tokens = sum(VARLEN_LENGTHS) + 3
+    inputs = scan_inputs(9, 1, num_tokens, heads, head_dim, groups, state, dtype=dtype)
+    x, B, C = (inputs[k][0] for k in ("x", "B", "C"))
+    g = torch.Generator().manual_seed(10)
+    dt = (torch.randn(num_tokens, heads, generator=g) * 0.5).to(DEVICE, dtype)
+    dt_bias = (torch.randn(heads, generator=g) * 0.5 - 1).to(DEVICE)
+    cache = torch.randn(8, heads, head_dim, state, generator=g).to(DEVICE, cache_dtype)
+    bounds = torch.tensor([0, *torch.tensor(VARLEN_LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor(VARLEN_SLOTS, dtype=torch.int32, device=DEVICE)
+    has_initial = torch.tensor(VARLEN_INITIAL, device=DEVICE)
+    args = (x, dt, inputs["A"], B, C, inputs["D"])
+    seqs = (bounds, slots, has_initial, 16)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    got = ssd_varlen_scan_fwd(
+        *args, got_cache, *seqs, torch.full_like(x, float("nan")), dt_bias=dt_bias, dt_softplus=True
+    )
+    want = ssd_varlen_scan_ref(
+        *args, want_cache, *seqs, torch.full_like(x, float("nan")), dt_bias=dt_bias, dt_softplus=True
+    )
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 5e-2, "rtol": 2e-2}
+    torch.testing.assert_close(got[: bounds[-1]].float(), want[: bounds[-1]].float(), **tolerance)
+    assert got[bounds[-1] :].isnan().all()
+    if cache_dtype == torch.float32:
+        torch.testing.assert_close(got_cache, want_cache, **tolerance)
+    else:  # both round the same fp32 final state to bf16, summed in other orders: one bf16 step apart at most
+        torch.testing.assert_close(got_cache.float(), want_cache.float(), atol=tolerance["atol"], rtol=1e-2)
+    untouched = [slot for slot in range(8) if slot not in VARLEN_SLOTS]
+    assert torch.equal(got_cache[untouched], cache[untouched])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("groups, group_size", [(1, 24), (3, 20), (2, 1)], ids=["G1", "G3-odd", "G2-size1"])
 def test_the_norm_kernels_match_the_reference_and_write_every_output(monkeypatch, dtype, groups, group_size):

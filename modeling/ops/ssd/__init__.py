@@ -10,8 +10,11 @@ forward.py     the chunked scan's forward kernels: the walk over the chunks (the
                their gradients), then the outputs; the launch shapes (`SSDBlocks`)
 backward.py    its backward: the states recomputed and their gradients walked back, then every input's gradient per
                chunk
-interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract; import it
-               where it is used, as the other ops' kernel modules)
+varlen.py      serving's packed prefills over a cache of state slots: the same walk and outputs, each sequence in
+               chunks of its own, its state read from and written back to its slot
+interface.py   the scan on the kernels with its autograd (`ssd_chunk_scan_fn`, the reference's contract) and the
+               packed prefills (`ssd_varlen_scan_fwd`, `ssd_varlen_scan_ref`'s); import it where it is used, as the
+               other ops' kernel modules
 
 gated_norm.py  the gated norm's forward and backward kernels (`gated_rms_norm` with its autograd, and
                `gated_rms_norm_fwd` / `gated_rms_norm_bwd` for ops that run it inside their own)

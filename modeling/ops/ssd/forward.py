@@ -111,7 +111,6 @@ def _ssd_chunk_walk_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
     a = tl.load(p_A + i_h).to(tl.float32)
-    dot_dtype = p_u.dtype.element_ty
     p_u += i_b * s_u_b + i_h * s_u_h
     p_K += i_b * s_K_b + i_g * s_K_g
     o_pn = o_p[:, None] * N + o_n[None, :]
@@ -131,18 +130,25 @@ def _ssd_chunk_walk_kernel(
             b_weight = tl.where(continues, tl.exp(b_G), 0.0)
         else:
             b_weight = tl.where(reaches_end, tl.exp(G_last - b_G), 0.0) * b_dt
-        # u^T [P, L], loaded transposed, times the weights
-        b_uT = tl.load(
-            p_u + o_p[:, None] * s_u_p + t[None, :] * s_u_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0
-        )
-        b_uwT = (b_uT.to(tl.float32) * b_weight[None, :]).to(dot_dtype)
-        b_Kc = tl.load(
-            p_K + t[:, None] * s_K_t + o_n[None, :] * s_K_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0
-        )
         b_carry = tl.where(carried, tl.exp(G_last), 0.0) * b_carry
-        b_carry += tl.dot(b_uwT, b_Kc.to(dot_dtype), input_precision=PRECISION)
+        b_carry += _chunk_contribution(
+            p_u, p_K, t, m_t, o_p, o_n, b_weight, P, N, s_u_t, s_u_p, s_K_t, s_K_n, PRECISION
+        )
     if HAS_END:
         tl.store(p_end + (i_b * H + i_h) * P * N + o_pn, b_carry, mask=m_pn)
+
+
+@triton.jit
+def _chunk_contribution(
+    p_u, p_K, t, m_t, o_p, o_n, b_weight, P, N, s_u_t, s_u_p, s_K_t, s_K_n, PRECISION: tl.constexpr
+):
+    """sum_i weight_i u_i K_i^T over a chunk's tokens t: [BLOCK_P, BLOCK_N] fp32, products in u's dtype."""
+    dot_dtype = p_u.dtype.element_ty
+    # u^T [P, L], loaded transposed, times the weights
+    b_uT = tl.load(p_u + o_p[:, None] * s_u_p + t[None, :] * s_u_t, mask=(o_p[:, None] < P) & m_t[None, :], other=0.0)
+    b_uwT = (b_uT.to(tl.float32) * b_weight[None, :]).to(dot_dtype)
+    b_Kc = tl.load(p_K + t[:, None] * s_K_t + o_n[None, :] * s_K_n, mask=m_t[:, None] & (o_n[None, :] < N), other=0.0)
+    return tl.dot(b_uwT, b_Kc.to(dot_dtype), input_precision=PRECISION)
 
 
 @triton.jit
@@ -162,16 +168,34 @@ def _ssd_outputs_fwd_kernel(
     i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H  # offsets in int64: [b, chunks, H, P, N] passes 2^31
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    m_p = o_p < P
     a = tl.load(p_A + i_h).to(tl.float32)
-    dot_dtype = p_x.dtype.element_ty
     o_t, t, m_t, b_dt, b_G, _, _, continues, _, b_seg, _ = _chunk_decays(
         p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
     )
     p_B += i_b * s_B_b + i_g * s_B_g
     p_C += i_b * s_C_b + i_g * s_C_g
     p_states += ((i_b * num_chunks + i_c) * H + i_h) * P * N
+    p_x += i_b * s_x_b + i_h * s_x_h
+    b_M = _intra_chunk_decays(o_t, m_t, b_G, b_seg, False)
+    b_y, m_tp = _chunk_outputs(
+        p_x, p_B, p_C, p_D + i_h, p_states, t, m_t, o_p, b_G, b_dt, b_M, continues, P, N,
+        s_x_t, s_x_p, s_B_t, s_B_n, s_C_t, s_C_n, L, BLOCK_P, BLOCK_N, PRECISION,
+    )  # fmt: skip
+    p_y += i_b * s_y_b + i_h * s_y_h + t[:, None] * s_y_t + o_p[None, :] * s_y_p
+    tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_tp)
 
+
+@triton.jit
+def _chunk_outputs(
+    p_x, p_B, p_C, p_D, p_state, t, m_t, o_p, b_G, b_dt, b_M, continues, P, N,
+    s_x_t, s_x_p, s_B_t, s_B_n, s_C_t, s_C_n,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """y [L, BLOCK_P] (fp32) of a chunk's tokens t and channels o_p of one head: C_i . (the state entering the chunk,
+    fp32 [P, N] at p_state) times e_i where token i `continues` it, the chunk's own terms (its decays b_M) and D x_i;
+    with the tile's mask. p_x, p_B, p_C at the head's (group's) first element, p_D at the head's D."""
+    m_p = o_p < P
+    dot_dtype = p_x.dtype.element_ty
     # C_i . (state entering the chunk) and C_i . B_j, over blocks of N
     b_y = tl.zeros([L, BLOCK_P], dtype=tl.float32)
     b_S = tl.zeros([L, L], dtype=tl.float32)
@@ -182,18 +206,16 @@ def _ssd_outputs_fwd_kernel(
         b_Cc = b_Cc.to(dot_dtype)
         b_BT = tl.load(p_B + o_n[:, None] * s_B_n + t[None, :] * s_B_t, mask=m_n[:, None] & m_t[None, :], other=0.0)
         b_S += tl.dot(b_Cc, b_BT.to(dot_dtype), input_precision=PRECISION)
-        b_hT = tl.load(p_states + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :], other=0.0)
+        b_hT = tl.load(p_state + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :], other=0.0)
         b_y += tl.dot(b_Cc, b_hT.to(dot_dtype), input_precision=PRECISION)
     b_y *= tl.where(continues, tl.exp(b_G), 0.0)[:, None]
 
-    b_M = _intra_chunk_decays(o_t, m_t, b_G, b_seg, False)
     m_tp = m_t[:, None] & m_p[None, :]
-    b_x = tl.load(p_x + i_b * s_x_b + i_h * s_x_h + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0)
+    b_x = tl.load(p_x + t[:, None] * s_x_t + o_p[None, :] * s_x_p, mask=m_tp, other=0.0)
     # dt_j scales column j of the decays (x stays an exact operand; x * dt would round)
     b_y += tl.dot((b_S * b_M * b_dt[None, :]).to(dot_dtype), b_x.to(dot_dtype), input_precision=PRECISION)
-    b_y += tl.load(p_D + i_h).to(tl.float32) * b_x.to(tl.float32)
-    p_y += i_b * s_y_b + i_h * s_y_h + t[:, None] * s_y_t + o_p[None, :] * s_y_p
-    tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_tp)
+    b_y += tl.load(p_D).to(tl.float32) * b_x.to(tl.float32)
+    return b_y, m_tp
 
 
 def dot_precision(x: Tensor) -> str:

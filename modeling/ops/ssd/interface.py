@@ -1,18 +1,20 @@
-"""Mamba-2's chunked scan (SSD) for training on the Triton kernels of forward.py and backward.py: argument checks and
-autograd. The reference with the same arguments and results is `ssd_chunk_scan_ref` (reference.py; tests/test_ssd.py
-pairs them, gradients included).
+"""Mamba-2's chunked scan (SSD) on the Triton kernels of forward.py and backward.py for training, and of varlen.py for
+serving's packed prefills: argument checks and autograd. The references with the same arguments and results are
+`ssd_chunk_scan_ref` and `ssd_varlen_scan_ref` (reference.py; tests/test_ssd.py pairs them, gradients included).
 
     ssd_chunk_scan_fn   x [b, T, H, P], dt [b, T, H], A [H], B and C [b, T, G, N], D [H], initial_state [b, H, P, N]
                         or None, seq_idx [b, T] or None -> (y [b, T, H, P] in x's dtype, final state fp32 [b, H, P, N]),
                         gradients for every floating-point input and from the final state's gradient too
     ssd_chunk_scan_fwd  its forward and backward over checked inputs, for ops that call the scan inside their own
     ssd_chunk_scan_bwd  autograd (mamba2_inner)
+    ssd_varlen_scan_fwd packed prefills x [T, H, P] over a cache of state slots, each sequence continuing from (or
+                        starting) its slot and leaving its final state there (no autograd)
 """
 
 import torch
 from torch import Tensor
 
-from ..triton_utils import check_index, check_tokens
+from ..triton_utils import check_flags, check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
 from .forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
 from .reference import split_heads_and_groups
@@ -139,3 +141,50 @@ def ssd_chunk_scan_fn(
     check_ssd_inputs(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size)
     launch = pick_ssd_blocks(x.shape[-1], B.shape[-1], **blocks)
     return SSDChunkScanFunction.apply(x, dt, A, B, C, D, initial_state, seq_idx, chunk_size, launch)
+
+
+def ssd_varlen_scan_fwd(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
+    state_indices: Tensor, has_initial_state: Tensor, chunk_size: int, out: Tensor | None = None, *,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False,
+) -> Tensor:  # fmt: skip
+    """`ssd_varlen_scan_ref`'s contract and result on the kernels of varlen.py (serving prefills, no autograd): x
+    [T, H, P] and B, C [T, G, N] (tokens and heads/groups strided, the last dimension contiguous: views of the
+    conv's output), dt [T, H] raw with dt_bias [H] / dt_softplus, A and D [H] fp32, state_cache [slots, H, P, N]
+    (fp32, bf16 or fp16, any strides) read and written in place, cu_seqlens [S+1], state_indices [S] and
+    has_initial_state [S] of S sequences. Returns out [T, H, P] in x's dtype; rows past cu_seqlens[-1] are not
+    written. `chunk_size` is the reference's; the result does not depend on it, and the kernels' tile is 64. No host
+    sync."""
+    from .varlen import launch_ssd_varlen_scan
+
+    if x.dim() != 3 or B.dim() != 3:
+        raise ValueError(f"x, B: expected [tokens, heads, head_dim] and [tokens, groups, N], got {tuple(x.shape)} "
+                         f"and {tuple(B.shape)}")  # fmt: skip
+    num_tokens, heads, head_dim = x.shape
+    groups, state_size = B.shape[1:]
+    if groups == 0 or heads % groups:
+        raise ValueError(f"the groups of B and C ({groups}) must divide the heads of x ({heads})")
+    check_tokens("x", x, (num_tokens, heads, head_dim))
+    check_tokens("B", B, (num_tokens, groups, state_size))
+    check_tokens("C", C, (num_tokens, groups, state_size))
+    if tuple(dt.shape) != (num_tokens, heads) or not dt.is_floating_point():
+        raise ValueError(f"dt: expected a floating-point tensor of shape {(num_tokens, heads)}, got {tuple(dt.shape)}")
+    for name, tensor in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if tensor is not None and not (tuple(tensor.shape) == (heads,) and tensor.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous ({heads},), got {tuple(tensor.shape)}")
+    if state_cache.dim() != 4 or state_cache.shape[1:] != (heads, head_dim, state_size):
+        raise ValueError(
+            f"state_cache: expected [slots, {heads}, {head_dim}, {state_size}], got {tuple(state_cache.shape)}"
+        )
+    num_seqs = state_indices.shape[0]
+    check_index("cu_seqlens", cu_seqlens, (num_seqs + 1,), like=x)
+    check_index("state_indices", state_indices, (num_seqs,), like=x)
+    check_flags("has_initial_state", has_initial_state, (num_seqs,))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out: expected {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if num_seqs:
+        launch_ssd_varlen_scan(
+            x, dt, A, B, C, D, state_cache, cu_seqlens, state_indices, has_initial_state, out, dt_bias, dt_softplus
+        )
+    return out

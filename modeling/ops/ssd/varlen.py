@@ -1,0 +1,148 @@
+"""Packed prefills of Mamba-2's chunked scan over a cache of state slots, for serving: `ssd_varlen_scan_ref`'s contract
+(reference.py) on Triton kernels. The algorithm is forward.py's (its docstring has the formulas), with each sequence
+cut into its own chunks of L tokens from its first token, so that no chunk holds two sequences and no segment masks
+are needed; the programs find their sequence on the device (no host sync, no metadata from the caller):
+
+    walk     one program per (head, block of P, block of N) walks the sequences in order and each one's chunks,
+             starting from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32
+             [chunks, H, P, N]) and writing the final state back into the slot
+    outputs  one program per (block of P, chunk, head): y of the chunk's tokens (all chunks in parallel)
+
+dt is the raw step: its bias and softplus are applied in both kernels (`dt_bias`, `dt_softplus`), as the reference
+applies them.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..triton_utils import cdiv, next_power_of_2, softplus, stride_args
+from .forward import CHUNK, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision, pick_ssd_blocks
+
+
+@triton.jit
+def _varlen_chunk(
+    p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h,
+    L: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+):  # fmt: skip
+    """Chunk i_c of the sequence of tokens [t0, t1), per token i: its offset o_t, token t, validity m_t, step dt
+    (zero past the sequence) and G (the log decay from the chunk's start to i); and G at the chunk's last token."""
+    o_t = tl.arange(0, L)
+    t = t0 + tl.cast(i_c, tl.int64) * L + o_t
+    m_t = t < t1
+    b_dt = tl.load(p_dt + t * s_dt_t + i_h * s_dt_h, mask=m_t, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        b_dt += tl.load(p_dt_bias + i_h).to(tl.float32)
+    if DT_SOFTPLUS:
+        b_dt = softplus(b_dt)
+    b_dt = tl.where(m_t, b_dt, 0.0)
+    b_G = tl.cumsum(b_dt * a, 0)
+    G_last = tl.sum(tl.where(o_t == tl.minimum(t1 - t0 - i_c * L, L) - 1, b_G, 0.0), 0)
+    return o_t, t, m_t, b_dt, b_G, G_last
+
+
+@triton.jit
+def _ssd_varlen_walk_kernel(
+    p_x, p_dt, p_dt_bias, p_A, p_B, p_cache, p_cu, p_idx, p_init, p_offsets, p_walk,
+    num_seqs, H, P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n,
+    s_cache_s, s_cache_h, s_cache_p, s_cache_n,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_n, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_g = i_h // heads_per_group
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    a = tl.load(p_A + i_h).to(tl.float32)
+    p_x += i_h * s_x_h
+    p_B += i_g * s_B_g
+    p_walk += i_h * P * N + o_p[:, None] * N + o_n[None, :]
+    p_cache += i_h * s_cache_h + o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
+    for i_s in range(num_seqs):
+        t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
+        c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
+        p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s
+        b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        if tl.load(p_init + i_s):
+            b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+        for i_c in range(c1 - c0):
+            tl.store(p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
+            _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
+                p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
+            )
+            b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
+            b_carry = tl.exp(G_last) * b_carry + _chunk_contribution(
+                p_x, p_B, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
+            )
+        tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
+
+
+@triton.jit
+def _ssd_varlen_outputs_kernel(
+    p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_cu, p_offsets, p_walk, p_y,
+    num_seqs, H, P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n, s_y_t, s_y_h, s_y_p,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    i_p, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # The chunk's sequence: the last whose first chunk is at or before it (the grid has spare chunks at the end).
+    o_s = tl.arange(0, BLOCK_S)
+    if i_chunk >= tl.load(p_offsets + num_seqs):
+        return
+    b_first = tl.load(p_offsets + o_s, mask=o_s < num_seqs, other=2**30)
+    i_s = tl.sum(tl.where(b_first <= i_chunk, 1, 0), 0) - 1
+    t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
+    i_c = i_chunk - tl.load(p_offsets + i_s)
+    i_g = i_h // heads_per_group
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    a = tl.load(p_A + i_h).to(tl.float32)
+    o_t, t, m_t, b_dt, b_G, _ = _varlen_chunk(
+        p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
+    )
+    # One sequence a chunk: every token continues the state entering it, and one segment holds them all.
+    b_M = _intra_chunk_decays(o_t, m_t, b_G, tl.zeros([L], dtype=tl.int32), False)
+    b_y, m_tp = _chunk_outputs(
+        p_x + i_h * s_x_h, p_B + i_g * s_B_g, p_C + i_g * s_C_g, p_D + i_h,
+        p_walk + (tl.cast(i_chunk, tl.int64) * H + i_h) * P * N, t, m_t, o_p, b_G, b_dt, b_M, m_t, P, N,
+        s_x_t, s_x_p, s_B_t, s_B_n, s_C_t, s_C_n, L, BLOCK_P, BLOCK_N, PRECISION,
+    )  # fmt: skip
+    p_y += i_h * s_y_h + t[:, None] * s_y_t + o_p[None, :] * s_y_p
+    tl.store(p_y, b_y.to(p_y.dtype.element_ty), mask=m_tp)
+
+
+def launch_ssd_varlen_scan(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
+    state_indices: Tensor, has_initial_state: Tensor, out: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
+) -> None:  # fmt: skip
+    """The walk, then the outputs, over checked tensors (`ssd_varlen_scan_fwd` in interface.py): x [T, H, P], dt
+    [T, H], B and C [T, G, N] (the last dimension contiguous), A, D and dt_bias [H] contiguous, state_cache [slots,
+    H, P, N], cu_seqlens, state_indices and has_initial_state of S >= 1 sequences, out [T, H, P]."""
+    num_tokens, heads, head_dim = x.shape
+    num_seqs, state_size = state_indices.shape[0], B.shape[-1]
+    # Each sequence's first chunk: the chunks of the sequences before it (no host sync: the grid takes a bound).
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
+    torch.cumsum(torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor"), 0, out=offsets[1:])
+    max_chunks = cdiv(num_tokens, CHUNK) + num_seqs
+    walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=torch.float32)
+    blocks = pick_ssd_blocks(head_dim, state_size)
+    common = {
+        "num_seqs": num_seqs, "H": heads, "P": head_dim, "N": state_size, "heads_per_group": heads // B.shape[1],
+        **stride_args("x", x, "thp"), **stride_args("dt", dt, "th"), **stride_args("B", B, "tgn"), "L": CHUNK,
+        "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus, "PRECISION": dot_precision(x),
+    }  # fmt: skip
+    dt_bias = dt_bias if dt_bias is not None else A  # never read without HAS_DT_BIAS
+    _ssd_varlen_walk_kernel[(cdiv(state_size, blocks.walk_n), cdiv(head_dim, blocks.walk_p), heads)](
+        x, dt, dt_bias, A, B, state_cache, cu_seqlens, state_indices, has_initial_state, offsets, walk,
+        **stride_args("cache", state_cache, "shpn"), **common, BLOCK_P=blocks.walk_p, BLOCK_N=blocks.walk_n,
+        num_warps=blocks.walk_warps,
+    )  # fmt: skip
+    _ssd_varlen_outputs_kernel[(cdiv(head_dim, blocks.out_p), max_chunks, heads)](
+        x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out,
+        **stride_args("C", C, "tgn"), **stride_args("y", out, "thp"), **common, BLOCK_P=blocks.out_p,
+        BLOCK_N=blocks.out_n, BLOCK_S=next_power_of_2(num_seqs + 1), num_warps=blocks.out_warps,
+    )  # fmt: skip
