@@ -389,10 +389,14 @@ def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype):
     has_initial = torch.tensor(VARLEN_INITIAL, device=DEVICE)
     args = (x, dt, inputs["A"], B, C, inputs["D"])
     seqs = (bounds, slots, has_initial, 16)
-    got_cache, want_cache = cache.clone(), cache.clone()
-    got = ssd_varlen_scan_fwd(
-        *args, got_cache, *seqs, torch.full_like(x, float("nan")), dt_bias=dt_bias, dt_softplus=True
-    )
+    got_cache, want_cache, poisoned = cache.clone(), cache.clone(), torch.full_like(x, float("nan"))
+    if ON_GPU:  # no host sync: a device tensor read on the host raises
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = ssd_varlen_scan_fwd(*args, got_cache, *seqs, poisoned, dt_bias=dt_bias, dt_softplus=True)
+    finally:
+        if ON_GPU:
+            torch.cuda.set_sync_debug_mode("default")
     want = ssd_varlen_scan_ref(
         *args, want_cache, *seqs, torch.full_like(x, float("nan")), dt_bias=dt_bias, dt_softplus=True
     )

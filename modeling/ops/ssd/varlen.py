@@ -126,7 +126,7 @@ def launch_ssd_varlen_scan(
     # Each sequence's first chunk: the chunks of the sequences before it (no host sync: the grid takes a bound).
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
     offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
-    torch.cumsum(torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor"), 0, out=offsets[1:])
+    torch.cumsum(torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor"), 0, dtype=torch.int32, out=offsets[1:])
     max_chunks = cdiv(num_tokens, CHUNK) + num_seqs
     walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=torch.float32)
     blocks = pick_ssd_blocks(head_dim, state_size)
