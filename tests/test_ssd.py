@@ -411,6 +411,29 @@ def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype):
     assert torch.equal(got_cache[untouched], cache[untouched])
 
 
+def test_the_varlen_triton_scan_refuses_what_it_cannot_compute():
+    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
+
+    inputs = scan_inputs(5, 1, 20, 4, 8, 2, 16)
+    x, B, C = (inputs[k][0] for k in ("x", "B", "C"))
+    dt, A, D = inputs["dt"][0], inputs["A"], inputs["D"]
+    cache = torch.zeros(3, 4, 8, 16, device=DEVICE)
+    bounds, slots = torch.tensor([0, 20], device=DEVICE), torch.tensor([1], device=DEVICE)
+    seqs = (bounds, slots, torch.tensor([True], device=DEVICE))
+    with pytest.raises(ValueError, match="groups of B and C"):
+        ssd_varlen_scan_fwd(x[:, :3], dt[:, :3], A[:3], B, C, D[:3], cache[:, :3], *seqs, 16)
+    with pytest.raises(ValueError, match="dt: expected"):
+        ssd_varlen_scan_fwd(x, dt[:, :-1], A, B, C, D, cache, *seqs, 16)
+    with pytest.raises(ValueError, match="A: expected fp32"):
+        ssd_varlen_scan_fwd(x, dt, A.double(), B, C, D, cache, *seqs, 16)
+    with pytest.raises(ValueError, match="state_cache: expected fp32, bf16 or fp16"):
+        ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache.double(), *seqs, 16)
+    with pytest.raises(ValueError, match="state_cache: expected \\[slots"):
+        ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache[..., :15], *seqs, 16)
+    with pytest.raises(ValueError, match="has_initial_state"):
+        ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache, *seqs[:2], torch.tensor([1], device=DEVICE), 16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("groups, group_size", [(1, 24), (3, 20), (2, 1)], ids=["G1", "G3-odd", "G2-size1"])
 def test_the_norm_kernels_match_the_reference_and_write_every_output(monkeypatch, dtype, groups, group_size):

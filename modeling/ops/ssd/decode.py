@@ -166,6 +166,22 @@ def ssd_state_update(
     return out
 
 
+def check_heads_and_state_cache(A, D, dt_bias, state_cache, num_heads: int, head_dim: int, state_size: int) -> None:
+    """What every op over the state slots takes of the heads and the cache: A (fp32), D and dt_bias (or None)
+    contiguous [H], and state_cache [slots, H, P, N] in fp32, bf16 or fp16."""
+    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None and not (t.shape == (num_heads,) and t.is_contiguous()):
+            raise ValueError(f"{name}: expected a contiguous ({num_heads},), got {tuple(t.shape)}")
+    if A.dtype != torch.float32:
+        raise ValueError(f"A: expected fp32, got {A.dtype}")
+    if state_cache.dim() != 4 or state_cache.shape[1:] != (num_heads, head_dim, state_size):
+        raise ValueError(
+            f"state_cache: expected [slots, {num_heads}, {head_dim}, {state_size}], got {tuple(state_cache.shape)}"
+        )
+    if state_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"state_cache: expected fp32, bf16 or fp16, got {state_cache.dtype}")
+
+
 def ssd_update_args(
     state_cache, x, dt, A, B, C, D, state_indices, has_initial_state, dt_bias, out
 ) -> SSDUpdateArgs:  # fmt: skip
@@ -182,17 +198,7 @@ def ssd_update_args(
     check_tokens("x", x, (num_requests, num_heads, head_dim))
     check_tokens("out", out, (num_requests, num_heads, head_dim))
     check_tokens("dt", dt, (num_requests, num_heads))
-    for name, t in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        if t is not None and not (t.shape == (num_heads,) and t.is_contiguous()):
-            raise ValueError(f"{name}: expected a contiguous ({num_heads},), got {tuple(t.shape)}")
-    if A.dtype != torch.float32:
-        raise ValueError(f"A: expected fp32, got {A.dtype}")
-    if state_cache.dim() != 4 or state_cache.shape[1:] != (num_heads, head_dim, state_size):
-        raise ValueError(
-            f"state_cache: expected [slots, {num_heads}, {head_dim}, {state_size}], got {tuple(state_cache.shape)}"
-        )
-    if state_cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"state_cache: expected fp32, bf16 or fp16, got {state_cache.dtype}")
+    check_heads_and_state_cache(A, D, dt_bias, state_cache, num_heads, head_dim, state_size)
     if state_indices is not None:
         check_index("state_indices", state_indices, (num_requests,), like=x)
     elif state_cache.shape[0] < num_requests:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..triton_utils import check_flags, check_index, check_tokens
 from .backward import launch_ssd_chunk_scan_bwd
+from .decode import check_heads_and_state_cache
 from .forward import CHUNK, MAX_HEAD_DIM, SSDBlocks, launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
 from .reference import split_heads_and_groups
 
@@ -169,13 +170,7 @@ def ssd_varlen_scan_fwd(
     check_tokens("C", C, (num_tokens, groups, state_size))
     if tuple(dt.shape) != (num_tokens, heads) or not dt.is_floating_point():
         raise ValueError(f"dt: expected a floating-point tensor of shape {(num_tokens, heads)}, got {tuple(dt.shape)}")
-    for name, tensor in (("A", A), ("D", D), ("dt_bias", dt_bias)):
-        if tensor is not None and not (tuple(tensor.shape) == (heads,) and tensor.is_contiguous()):
-            raise ValueError(f"{name}: expected a contiguous ({heads},), got {tuple(tensor.shape)}")
-    if state_cache.dim() != 4 or state_cache.shape[1:] != (heads, head_dim, state_size):
-        raise ValueError(
-            f"state_cache: expected [slots, {heads}, {head_dim}, {state_size}], got {tuple(state_cache.shape)}"
-        )
+    check_heads_and_state_cache(A, D, dt_bias, state_cache, heads, head_dim, state_size)
     num_seqs = state_indices.shape[0]
     check_index("cu_seqlens", cu_seqlens, (num_seqs + 1,), like=x)
     check_index("state_indices", state_indices, (num_seqs,), like=x)
