@@ -404,6 +404,7 @@ def vllm_ops():
         "unified_attention": unified_attention,
     }
     try:  # the Mamba-2 prefill row's: without them that row alone is skipped
+        from vllm.model_executor.layers.mamba.ops.layernorm_gated import rms_norm_gated
         from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
         from vllm.v1.attention.backends.mamba2_attn import compute_varlen_chunk_metadata
         from vllm.v1.attention.backends.utils import compute_causal_conv1d_metadata
@@ -415,6 +416,7 @@ def vllm_ops():
         "mamba_chunk_scan_combined_varlen": mamba_chunk_scan_combined_varlen,
         "compute_varlen_chunk_metadata": compute_varlen_chunk_metadata,
         "compute_causal_conv1d_metadata": compute_causal_conv1d_metadata,
+        "rms_norm_gated": rms_norm_gated,
     }
 
 
@@ -537,10 +539,13 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     (`mamba_chunk_scan_combined_varlen`) on views of the conv's output (x, B, C) and of the in_proj output (dt), from
     the slots' states (zeros for fresh prefills) into them, its chunks built beforehand as the metadata builder does.
     Beside it: the same with vLLM's conv (`causal_conv1d_fn` on a [C, T] view, its program tables built beforehand),
-    each conv and the scan alone, and our packed-prefill scan (`ssd_varlen_scan_fwd`, tiles of 64) alone. The convs
-    and the scans checked against `causal_conv1d_varlen_ref` and `ssd_varlen_scan_ref`."""
-    from modeling.ops import causal_conv1d_varlen_ref, ssd_varlen_scan_ref
+    each conv and the scan alone, our packed-prefill scan (`ssd_varlen_scan_fwd`, tiles of 64) alone, and the gated
+    norm over the scan's output gated by z (a column view of in_proj's output), vLLM's `rms_norm_gated` and ours. The
+    convs, the scans and the norms checked against `causal_conv1d_varlen_ref`, `ssd_varlen_scan_ref` and
+    `gated_rms_norm_ref`."""
+    from modeling.ops import causal_conv1d_varlen_ref, gated_rms_norm_ref, ssd_varlen_scan_ref
     from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
+    from modeling.ops.ssd.gated_norm import gated_rms_norm_fwd
     from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     total, channels = b.xs.shape
@@ -609,6 +614,19 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     our_scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(our_state, want_state)}
     for name in errs:
         errs[name] |= scan_errs
+    z, y, norm_weight = in_proj_out[:, :channels], got.flatten(1), randn(channels, scale=0.5) + 1
+    norm_want = gated_rms_norm_ref(y.float(), z.float(), norm_weight, channels, 1e-5)
+
+    def vllm_norm():
+        return vllm["rms_norm_gated"](y, norm_weight, None, z=z, eps=1e-5, group_size=channels, norm_before_gate=False)
+
+    def our_norm():
+        return gated_rms_norm_fwd(y, z, norm_weight, channels, 1e-5)
+
+    norm_errs = {
+        name: {"norm": rel_err(norm(), norm_want)} for name, norm in (("vllm", vllm_norm), ("ours", our_norm))
+    }
+    norm_bytes = total * channels * 2 * 3  # y, z in; out
 
     conv_state_bytes = 2 * num_seqs * conv_channels * 3 * 2
     conv_bytes = total * 2 * conv_channels * 2 + conv_state_bytes  # xBC in, out
@@ -637,6 +655,8 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
             scan_bytes, extra=scan_errs),
         row("Mamba-2 scan alone: our ssd_varlen_scan_fwd", lambda: our_scan(work_xbc, work_state, work_y),
             scan_bytes, extra=our_scan_errs),
+        row("Mamba-2 gated norm (one group): vLLM rms_norm_gated", vllm_norm, norm_bytes, extra=norm_errs["vllm"]),
+        row("Mamba-2 gated norm (one group): our gated_rms_norm_fwd", our_norm, norm_bytes, extra=norm_errs["ours"]),
     ]  # fmt: skip
 
 
