@@ -13,6 +13,7 @@ fp32). Results and commentary: BENCHMARKS.md.
 """
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -522,8 +523,8 @@ def bench_prefill(args) -> list[Row]:
 
         rows.append(Row("prefill", "vLLM causal_conv1d_fn + selective_scan_fn", b.shape + " (E-major)",
                         median_ms(vllm_prefill), bytes=tokens_bytes + state_bytes))  # fmt: skip
-        if "mamba_chunk_scan_combined_varlen" in vllm:
-            rows += mamba2_prefill_rows(b, vllm)
+    mamba2_vllm = vllm if vllm and "mamba_chunk_scan_combined_varlen" in vllm else None
+    rows += mamba2_prefill_rows(b, mamba2_vllm)
     base = rows[0].ms
     for row in rows[1:]:
         row.note = f"ours is {row.ms / base:.1f}x faster"
@@ -532,17 +533,16 @@ def bench_prefill(args) -> list[Row]:
     return rows
 
 
-def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chunk=256) -> list[Row]:
+def mamba2_prefill_rows(b: PrefillBatch, vllm: dict | None, head_dim=64, state=128, chunk=256) -> list[Row]:
     """The same packed prefills through a Mamba-2 branch of the same width as `hybrid-mamba2` serves it (E / 64 heads
-    of 64 channels, one group, N 128, chunks of 256), as vllm_integration/history/mamba2.py runs them: our conv over
-    the E + 2N conv channels (channel-last rows of a wider in_proj output), then vLLM's chunked scan
-    (`mamba_chunk_scan_combined_varlen`) on views of the conv's output (x, B, C) and of the in_proj output (dt), from
-    the slots' states (zeros for fresh prefills) into them, its chunks built beforehand as the metadata builder does.
-    Beside it: the same with vLLM's conv (`causal_conv1d_fn` on a [C, T] view, its program tables built beforehand),
-    each conv and the scan alone, our packed-prefill scan (`ssd_varlen_scan_fwd`, tiles of 64) alone, and the gated
-    norm over the scan's output gated by z (a column view of in_proj's output), vLLM's `rms_norm_gated` and ours. The
-    convs, the scans and the norms checked against `causal_conv1d_varlen_ref`, `ssd_varlen_scan_ref` and
-    `gated_rms_norm_ref`."""
+    of 64 channels, one group, N 128, chunks of 256), between its projections: the conv over the E + 2N conv channels
+    (channel-last rows of a wider in_proj output), the scan on views of the conv's output (x, B, C) and of the in_proj
+    output (dt), from the slots' states (zeros for fresh prefills) into them, and the gated norm of the scan's output
+    by z (a column view of in_proj's output). On our kernels (`causal_conv1d_varlen_fwd`, `ssd_varlen_scan_fwd` in
+    tiles of 64, `gated_rms_norm_fwd`), and where vLLM is importable on vLLM's (`causal_conv1d_fn` on a [C, T] view,
+    its program tables built beforehand; `mamba_chunk_scan_combined_varlen`, its chunks built beforehand as its
+    metadata builder does; `rms_norm_gated`) and our conv with vLLM's scan and norm; then each op alone. Every op
+    checked against its reference (`causal_conv1d_varlen_ref`, `ssd_varlen_scan_ref`, `gated_rms_norm_ref`)."""
     from modeling.ops import causal_conv1d_varlen_ref, gated_rms_norm_ref, ssd_varlen_scan_ref
     from modeling.ops.causal_conv1d.interface import causal_conv1d_varlen_fwd
     from modeling.ops.ssd.gated_norm import gated_rms_norm_fwd
@@ -554,110 +554,117 @@ def mamba2_prefill_rows(b: PrefillBatch, vllm: dict, head_dim=64, state=128, chu
     seqs = (b.cu_seqlens, b.slots, b.has_initial)
     # in_proj's output: z | xBC | dt
     in_proj_out = randn(total, channels + conv_channels + heads, scale=0.5)
-    xbc, dt = in_proj_out[:, channels:-heads], in_proj_out[:, -heads:]
+    z, xbc, dt = in_proj_out[:, :channels], in_proj_out[:, channels:-heads], in_proj_out[:, -heads:]
     weight = randn(conv_channels, 4, scale=0.5)
     conv_state0 = randn(num_slots, 3, conv_channels).transpose(1, 2)  # vLLM's layout: [slots, C, K-1] view
     A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
     D, dt_bias = randn(heads, dtype=torch.float32), randn(heads, dtype=torch.float32, scale=0.5) - 3
     ssm_state0 = randn(num_slots, heads, head_dim, state, dtype=torch.float32)
-    chunks = vllm["compute_varlen_chunk_metadata"](b.cu_seqlens, chunk)
-    nums_dict, batch_ptr, token_chunk_offset_ptr = vllm["compute_causal_conv1d_metadata"](
-        b.cu_seqlens.cpu(), device=b.cu_seqlens.device
-    )
-    conv_tables = SimpleNamespace(
-        nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
-    )
-
-    def our_conv(conv_state, out):
-        return causal_conv1d_varlen_fwd(xbc, weight, None, conv_state, *seqs, "silu", out)
-
-    def vllm_conv(conv_state, out):
-        y = vllm["causal_conv1d_fn"](
-            xbc.T, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
-            has_initial_state=b.has_initial, activation="silu", metadata=conv_tables,
-        )  # fmt: skip
-        return out.copy_(y.T)
+    norm_weight = randn(channels, scale=0.5) + 1
 
     def heads_and_groups(conv_out):
         x, B, C = conv_out.split([channels, state, state], dim=-1)
         return x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (1, state)), C.unflatten(-1, (1, state))
 
-    def scan(conv_out, ssm_state, out):
-        x, B, C = heads_and_groups(conv_out)
-        initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
-        final = vllm["mamba_chunk_scan_combined_varlen"](
-            x, dt, A, B, C, chunk, b.cu_seqlens, *chunks, out, D=D, dt_bias=dt_bias, initial_states=initial,
-            dt_softplus=True, state_dtype=ssm_state.dtype,
-        )  # fmt: skip
-        ssm_state[b.slots] = final
-        return out
+    convs, scans, norms = {}, {}, {}
+    convs["ours"] = lambda conv_state, out: causal_conv1d_varlen_fwd(
+        xbc, weight, None, conv_state, *seqs, "silu", out
+    )  # fmt: skip
 
     def our_scan(conv_out, ssm_state, out):
         x, B, C = heads_and_groups(conv_out)
         return ssd_varlen_scan_fwd(x, dt, A, B, C, D, ssm_state, *seqs, chunk, out, dt_bias=dt_bias, dt_softplus=True)
 
+    scans["ours"] = our_scan
+    norms["ours"] = lambda y: gated_rms_norm_fwd(y, z, norm_weight, channels, 1e-5)
+    if vllm:
+        chunks = vllm["compute_varlen_chunk_metadata"](b.cu_seqlens, chunk)
+        nums_dict, batch_ptr, token_chunk_offset_ptr = vllm["compute_causal_conv1d_metadata"](
+            b.cu_seqlens.cpu(), device=b.cu_seqlens.device
+        )
+        conv_tables = SimpleNamespace(
+            nums_dict=nums_dict, batch_ptr=batch_ptr, token_chunk_offset_ptr=token_chunk_offset_ptr
+        )
+
+        def vllm_conv(conv_state, out):
+            y = vllm["causal_conv1d_fn"](
+                xbc.T, weight, None, conv_states=conv_state, query_start_loc=b.cu_seqlens, cache_indices=b.slots,
+                has_initial_state=b.has_initial, activation="silu", metadata=conv_tables,
+            )  # fmt: skip
+            return out.copy_(y.T)
+
+        def vllm_scan(conv_out, ssm_state, out):
+            x, B, C = heads_and_groups(conv_out)
+            initial = torch.where(b.has_initial[:, None, None, None], ssm_state[b.slots], 0)
+            final = vllm["mamba_chunk_scan_combined_varlen"](
+                x, dt, A, B, C, chunk, b.cu_seqlens, *chunks, out, D=D, dt_bias=dt_bias, initial_states=initial,
+                dt_softplus=True, state_dtype=ssm_state.dtype,
+            )  # fmt: skip
+            ssm_state[b.slots] = final
+            return out
+
+        convs["vllm"], scans["vllm"] = vllm_conv, vllm_scan
+        norms["vllm"] = lambda y: vllm["rms_norm_gated"](
+            y, norm_weight, None, z=z, eps=1e-5, group_size=channels, norm_before_gate=False
+        )  # fmt: skip
+
+    # Each op against its reference, on the reference's inputs.
     conv_want_state = conv_state0.clone()
     conv_want = causal_conv1d_varlen_ref(xbc, weight, None, conv_want_state, *seqs, "silu")
-    errs = {}
-    for name, conv in (("ours", our_conv), ("vllm", vllm_conv)):
-        got_state = conv_state0.clone()
-        got = conv(got_state, torch.full_like(xbc, float("nan")))
-        errs[name] = {"conv": rel_err(got, conv_want), "conv_state": rel_err(got_state, conv_want_state)}
-    scan_state, want_state = ssm_state0.clone(), ssm_state0.clone()
     x, B, C = heads_and_groups(conv_want)
-    got = scan(conv_want, scan_state, torch.full_like(x, float("nan")))
-    want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, want_state, *seqs, chunk, dt_bias=dt_bias,
-                               dt_softplus=True)  # fmt: skip
-    scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(scan_state, want_state)}
-    our_state = ssm_state0.clone()
-    got = our_scan(conv_want, our_state, torch.full_like(x, float("nan")))
-    our_scan_errs = {"y": rel_err(got, want), "ssm_state": rel_err(our_state, want_state)}
-    for name in errs:
-        errs[name] |= scan_errs
-    z, y, norm_weight = in_proj_out[:, :channels], got.flatten(1), randn(channels, scale=0.5) + 1
+    scan_want_state = ssm_state0.clone()
+    scan_want = ssd_varlen_scan_ref(x.float(), dt, A, B.float(), C.float(), D, scan_want_state, *seqs, chunk,
+                                    dt_bias=dt_bias, dt_softplus=True)  # fmt: skip
+    y = scan_want.to(x.dtype).flatten(1)
     norm_want = gated_rms_norm_ref(y.float(), z.float(), norm_weight, channels, 1e-5)
-
-    def vllm_norm():
-        return vllm["rms_norm_gated"](y, norm_weight, None, z=z, eps=1e-5, group_size=channels, norm_before_gate=False)
-
-    def our_norm():
-        return gated_rms_norm_fwd(y, z, norm_weight, channels, 1e-5)
-
-    norm_errs = {
-        name: {"norm": rel_err(norm(), norm_want)} for name, norm in (("vllm", vllm_norm), ("ours", our_norm))
-    }
-    norm_bytes = total * channels * 2 * 3  # y, z in; out
+    errs = {}
+    for name in convs:
+        conv_state, ssm_state = conv_state0.clone(), ssm_state0.clone()
+        conv_out = convs[name](conv_state, torch.full_like(xbc, float("nan")))
+        scan_out = scans[name](conv_want, ssm_state, torch.full_like(x, float("nan")))
+        errs[name] = {
+            "conv": rel_err(conv_out, conv_want), "conv_state": rel_err(conv_state, conv_want_state),
+            "y": rel_err(scan_out, scan_want), "ssm_state": rel_err(ssm_state, scan_want_state),
+            "norm": rel_err(norms[name](y), norm_want),
+        }  # fmt: skip
 
     conv_state_bytes = 2 * num_seqs * conv_channels * 3 * 2
     conv_bytes = total * 2 * conv_channels * 2 + conv_state_bytes  # xBC in, out
     scan_bytes = total * (heads * 2 + 2 * channels * 2 + 2 * state * 2) + 2 * num_seqs * heads * head_dim * state * 4
+    norm_bytes = total * channels * 2 * 3  # y, z in; out
     work_conv, work_xbc = conv_state0.clone(), conv_want.clone()
     work_state, work_y = ssm_state0.clone(), torch.empty_like(x)
     shape = f"{b.shape.split(', ')[0]}, E={channels} H={heads} P={head_dim} N={state}"
     conv_shape = f"{b.shape.split(', ')[0]}, C={conv_channels} K=4"
 
-    def conv_then_scan(conv):
-        return scan(conv(work_conv, work_xbc), work_state, work_y)
+    def branch(conv, scan, norm):
+        return norm(scan(conv(work_conv, work_xbc), work_state, work_y).flatten(1))
 
     def row(variant, fn, bytes, row_shape=shape, extra=None):
         return Row("prefill", variant, row_shape, median_ms(fn), bytes=bytes,
                    rel_err=max(extra.values()) if extra else None, extra=extra or {})  # fmt: skip
 
-    return [
-        row("Mamba-2 (N 128), served: our conv varlen + vLLM mamba_chunk_scan_combined_varlen",
-            lambda: conv_then_scan(our_conv), conv_bytes + scan_bytes, extra=errs["ours"]),
-        row("Mamba-2 (N 128): vLLM causal_conv1d_fn + mamba_chunk_scan_combined_varlen",
-            lambda: conv_then_scan(vllm_conv), conv_bytes + scan_bytes, extra=errs["vllm"]),
-        row("Mamba-2 conv alone: our conv varlen", lambda: our_conv(work_conv, work_xbc), conv_bytes, conv_shape),
-        row("Mamba-2 conv alone: vLLM causal_conv1d_fn + its [C, T] output copied to [T, C] (as served before)",
-            lambda: vllm_conv(work_conv, work_xbc), conv_bytes, conv_shape),
-        row("Mamba-2 scan alone: vLLM mamba_chunk_scan_combined_varlen", lambda: scan(work_xbc, work_state, work_y),
-            scan_bytes, extra=scan_errs),
-        row("Mamba-2 scan alone: our ssd_varlen_scan_fwd", lambda: our_scan(work_xbc, work_state, work_y),
-            scan_bytes, extra=our_scan_errs),
-        row("Mamba-2 gated norm (one group): vLLM rms_norm_gated", vllm_norm, norm_bytes, extra=norm_errs["vllm"]),
-        row("Mamba-2 gated norm (one group): our gated_rms_norm_fwd", our_norm, norm_bytes, extra=norm_errs["ours"]),
+    names = {"ours": "ours", "vllm": "vLLM's"}
+    rows = [
+        row(f"Mamba-2 (N 128): conv, scan and gated norm, {names[name]}",
+            functools.partial(branch, convs[name], scans[name], norms[name]),
+            conv_bytes + scan_bytes + norm_bytes, extra=errs[name])
+        for name in convs
     ]  # fmt: skip
+    if vllm:
+        rows.append(row("Mamba-2 (N 128): our conv, vLLM's scan and gated norm",
+                        functools.partial(branch, convs["ours"], scans["vllm"], norms["vllm"]),
+                        conv_bytes + scan_bytes + norm_bytes))  # fmt: skip
+    for name in convs:
+        rows += [
+            row(f"Mamba-2 conv alone, {names[name]}", lambda conv=convs[name]: conv(work_conv, work_xbc), conv_bytes,
+                conv_shape),
+            row(f"Mamba-2 scan alone, {names[name]}", lambda scan=scans[name]: scan(work_xbc, work_state, work_y),
+                scan_bytes),
+            row(f"Mamba-2 gated norm alone (one group), {names[name]}",
+                lambda norm=norms[name]: norm(work_y.flatten(1)), norm_bytes),
+        ]  # fmt: skip
+    return rows
 
 
 def paged_kv(seq_lens, num_kv_heads, head_dim, block_size):
