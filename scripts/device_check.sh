@@ -7,6 +7,10 @@
 #                                          # on the GPU (one call: they take ~7 minutes on an H100)
 #   bash scripts/device_check.sh ssd-bench # bench_kernels.py --only ssd,train (the scan, the training step of both
 #                                          # branches against the model without the branch)
+#   bash scripts/device_check.sh mamba2-prefill  # the kernels a served Mamba-2 prefill runs (conv, packed-prefill scan,
+#                                          # gated norm): their tests, then bench_kernels.py's prefill rows at the
+#                                          # serving benchmark's prefill step (one 8192-token sequence, E 2048) and at
+#                                          # 8 x 1024; vLLM's Mamba-2 kernels beside ours where vLLM is staged
 #   bash scripts/device_check.sh mamba2-steps  # the Mamba-2 (N 128) training step against the model without the branch:
 #                                          # eager with one profiled step, then under torch.compile (the scan's
 #                                          # kernels traced into the step's graph)
@@ -98,6 +102,19 @@ case "${1:-kernels}" in
     python3 scripts/bench_kernels.py --only ssd,train --json "$OUT/bench_ssd_train.json" 2>&1 \
       | tee "$OUT/bench_ssd_train.log" | tail -25
     exit "${PIPESTATUS[0]}"
+    ;;
+  mamba2-prefill)
+    timeout 200 python3 -m pytest -q -p no:warnings tests/test_ssd.py -k "varlen or norm_kernels" \
+      tests/test_causal_conv1d_triton.py 2>&1 | tee "$OUT/pytest_mamba2_prefill.log" | tail -5
+    tests_status=${PIPESTATUS[0]}
+    bench_status=0
+    for shape in 1x8192 8x1024; do
+      timeout 150 python3 scripts/bench_kernels.py --only prefill --prefill-seqs "${shape%x*}" \
+        --prefill-seq-len "${shape#*x}" --serve-channels 2048 --json "$OUT/prefill-$shape.json" 2>&1 \
+        | tee "$OUT/prefill-$shape.log" | tail -16
+      ((PIPESTATUS[0])) && bench_status=1
+    done
+    exit $((tests_status || bench_status))
     ;;
   mamba2-steps)
     mamba2=(--set ssm_type=mamba2 --set ssm_state_size=128)
@@ -258,7 +275,7 @@ case "${1:-kernels}" in
     exit "${PIPESTATUS[0]}"
     ;;
   *)
-    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]|generate-ab BASE [ARGS]|serving-ab BASE ARGS" >&2
+    echo "usage: $0 kernels|ssd|ssd-bench|mamba2-prefill|mamba2-steps|sweep|vllm [K]|steps [TREES]|lm ARGS|startup|serving ARGS|both K ARGS|ab BASE [ARGS]|generate-ab BASE [ARGS]|serving-ab BASE ARGS" >&2
     exit 2
     ;;
 esac
