@@ -6,7 +6,9 @@ are needed; the programs find their sequence on the device (no host sync, no met
     walk     one program per (head, block of P, block of N) walks the sequences in order and each one's chunks,
              starting from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32
              [chunks, H, P, N]) and writing the final state back into the slot
-    outputs  one program per (block of P, chunk, head): y of the chunk's tokens (all chunks in parallel)
+    outputs  one program per (block of P, chunk, head): y of the chunk's tokens (all chunks in parallel), its sequence
+             found by a binary search over the sequences' first chunks (no compile-time size tied to the batch: one
+             compilation serves every number of prefills)
 
 dt is the raw step: its bias and softplus are applied in both kernels (`dt_bias`, `dt_softplus`), as the reference
 applies them.
@@ -17,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..triton_utils import cdiv, next_power_of_2, softplus, stride_args
+from ..triton_utils import cdiv, softplus, stride_args
 from .forward import CHUNK, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision, pick_ssd_blocks
 
 
@@ -85,16 +87,22 @@ def _ssd_varlen_outputs_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_cu, p_offsets, p_walk, p_y,
     num_seqs, H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n, s_y_t, s_y_h, s_y_p,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_p, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # The chunk's sequence: the last whose first chunk is at or before it (the grid has spare chunks at the end).
-    o_s = tl.arange(0, BLOCK_S)
-    if i_chunk >= tl.load(p_offsets + num_seqs):
+    if i_chunk >= tl.load(p_offsets + num_seqs):  # the grid has spare chunks at the end
         return
-    b_first = tl.load(p_offsets + o_s, mask=o_s < num_seqs, other=2**30)
-    i_s = tl.sum(tl.where(b_first <= i_chunk, 1, 0), 0) - 1
+    # The chunk's sequence: the last whose first chunk is at or before it (offsets[lo] <= i_chunk < offsets[hi]
+    # throughout; a zero-length sequence shares its first chunk with the next one, which the search passes over).
+    lo, hi = tl.full([], 0, tl.int32), num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(p_offsets + mid) <= i_chunk:
+            lo = mid
+        else:
+            hi = mid
+    i_s = lo
     t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
     i_c = i_chunk - tl.load(p_offsets + i_s)
     i_g = i_h // heads_per_group
@@ -144,5 +152,5 @@ def launch_ssd_varlen_scan(
     _ssd_varlen_outputs_kernel[(cdiv(head_dim, blocks.out_p), max_chunks, heads)](
         x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out,
         **stride_args("C", C, "tgn"), **stride_args("y", out, "thp"), **common, BLOCK_P=blocks.out_p,
-        BLOCK_N=blocks.out_n, BLOCK_S=next_power_of_2(num_seqs + 1), num_warps=blocks.out_warps,
+        BLOCK_N=blocks.out_n, num_warps=blocks.out_warps,
     )  # fmt: skip
