@@ -37,6 +37,34 @@ def compiled_variants(*kernels) -> list[int]:
     return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
 
 
+class HopperCompileKeys:
+    """Records the launches of Triton kernels (under the interpreter too) and gives, for each kernel, the compile-cache
+    keys Triton would give those launches on an H100 (`JITFunction.run`'s binder for sm_90: argument types, 16-byte
+    alignment, integers equal to 1 or divisible by 16, constexprs and launch options). One key, one compilation: a
+    test of "one compilation serves every batch shape" that needs no GPU."""
+
+    def __init__(self, monkeypatch, *kernels):
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import make_backend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+        self.keys = {kernel.__name__: set() for kernel in kernels}
+        for kernel in kernels:
+            jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+            bind = create_function_from_signature(jit.signature, jit.params, backend)
+            monkeypatch.setattr(kernel, "run", self._recording(kernel.run, bind, self.keys[kernel.__name__]))
+
+    @staticmethod
+    def _recording(run, bind, keys):
+        def recording_run(*args, grid, warmup, **kwargs):
+            _, specialization, options = bind(*args, **kwargs)
+            keys.add((str(specialization), str(options)))
+            return run(*args, grid=grid, warmup=warmup, **kwargs)
+
+        return recording_run
+
+
 def vllm_tensor_parallel_one() -> None:
     """vLLM's distributed state for real vLLM layers built in the test process: one gloo rank, tensor and pipeline
     parallel 1. Call it under the vLLM config the layers are built with; every call after the first finds it set."""

@@ -10,6 +10,10 @@ are needed; the programs find their sequence on the device (no host sync, no met
              found by a binary search over the sequences' first chunks (no compile-time size tied to the batch: one
              compilation serves every number of prefills)
 
+Neither kernel lets Triton specialize on `num_seqs` (it would compile a batch of one prefill, and one of a multiple of
+16, apart from the others: a stall while serving), nor the walk on the alignment of the slots (vLLM's Mamba metadata
+hands the prefills' slots as a slice past the decodes', at an alignment that changes with the number of decodes).
+
 dt is the raw step: its bias and softplus are applied in both kernels (`dt_bias`, `dt_softplus`), as the reference
 applies them.
 """
@@ -44,7 +48,7 @@ def _varlen_chunk(
     return o_t, t, m_t, b_dt, b_G, G_last
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["p_idx"])
 def _ssd_varlen_walk_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_cache, p_cu, p_idx, p_init, p_offsets, p_walk,
     num_seqs, H, P, N, heads_per_group,
@@ -82,7 +86,7 @@ def _ssd_varlen_walk_kernel(
         tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _ssd_varlen_outputs_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_cu, p_offsets, p_walk, p_y,
     num_seqs, H, P, N, heads_per_group,
