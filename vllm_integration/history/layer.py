@@ -93,10 +93,6 @@ class ServedHistoryBranch(MambaBase, nn.Module):
             )  # fmt: skip
         return out
 
-    def warm_up_triton_ops(self, branch_input: torch.Tensor) -> None:
-        """Runs once, in vLLM's profiling run on CUDA (before the caches are allocated), whatever the CUDA op set
-        tunes on its first use; `branch_input` is the profiling batch's. Our own kernels tune nothing."""
-
     def get_state_shape(self):
         return self.state_shapes(self.config, self.tp_size)
 

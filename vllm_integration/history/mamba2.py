@@ -1,13 +1,14 @@
 """The Mamba-2 history branch as vLLM serves it (`ssm_type="mamba2"`, docs/DESIGN.md): `Mamba2Branch`, with vLLM's
-Mamba-2 state layout (conv state `[E + 2GN, K-1]` and ssm state `[Hs, P, N]` per slot) and the metadata of
-history/metadata.py (the hybrid's, plus the prefills' chunks of the chunked scan: `HybridMamba2MetadataBuilder`).
+Mamba-2 state layout (conv state `[E + 2GN, K-1]` and ssm state `[Hs, P, N]` per slot) and the hybrid's state
+metadata (history/metadata.py, Mamba-1's too).
 
 The branch over a packed batch (`Mamba2Branch.forward`) runs on either of two op sets with the references'
-signatures (`Mamba2Ops`): on CUDA (`Mamba2Branch.triton_ops`) the causal conv on our Triton kernels (Mamba-1's:
-modeling/ops/causal_conv1d), vLLM's own chunked scan and gated norm (mamba2_kernels.py) and, for the decode step, our
-fused kernel that runs the decodes' window attention and their state update in one launch (`hybrid_decode_ssd`,
-vllm_integration/ops/hybrid_decode), as Mamba-1's; the PyTorch references elsewhere (modeling/ops: the causal conv over
-E + 2GN channels, the SSD scan over the state slots, the grouped gated RMSNorm).
+signatures (`Mamba2Ops`): on CUDA (`Mamba2Branch.triton_ops`) our Triton kernels, as Mamba-1's: the causal conv
+(modeling/ops/causal_conv1d), the SSD scan over packed prefills and state slots and the gated norm (modeling/ops/ssd,
+the training kernels' algorithm) and, for the decode step, the fused kernel that runs the decodes' window attention
+and their state update in one launch (`hybrid_decode_ssd`, vllm_integration/ops/hybrid_decode); the PyTorch
+references elsewhere (modeling/ops: the causal conv over E + 2GN channels, the SSD scan over the state slots, the
+grouped gated RMSNorm).
 
 Under tensor parallelism the branch is sharded as vLLM's `MambaMixer2` shards it: each rank holds Hs/tp whole heads
 (their channels of z, x, the conv, the norm and out_proj's input, and their dt_bias, A and D), and the groups of B
@@ -16,7 +17,6 @@ groups, which its Mamba-2 state shapes count). With one group the gated norm spa
 squares is all-reduced (`gated_rms_norm_across_ranks`). Either op set then runs on the rank's tensors unchanged.
 """
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,7 +33,6 @@ from vllm.model_executor.layers.mamba.mamba_mixer2 import mamba_v2_sharded_weigh
 from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.model_executor.model_loader.weight_utils import composed_weight_loader, sharded_weight_loader
 from vllm.model_executor.utils import set_weight_attrs
-from vllm.platforms import current_platform
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from configuration import HybridConfig
@@ -47,7 +46,7 @@ from modeling.ops import (
 
 from ..layout import a_from_a_log
 from .layer import ServedHistoryBranch
-from .metadata import HybridMamba2SSMBackend, HybridSSMMetadata, token_split
+from .metadata import HybridSSMMetadata, token_split
 
 
 class Mamba2Ops(NamedTuple):
@@ -121,11 +120,6 @@ class Mamba2Branch(ServedHistoryBranch):
         super().__init__(config, cache_config, prefix)
         tp_size = self.tp_size
         check_tensor_parallel(config, tp_size)
-        if current_platform.is_cuda() and config.ssm_chunk_size & (config.ssm_chunk_size - 1):
-            raise ValueError(
-                "on CUDA the vLLM plugin serves ssm_type 'mamba2' with vLLM's chunked scan, which takes a "
-                f"power-of-two ssm_chunk_size: got {config.ssm_chunk_size}"
-            )
         # One group spread over the ranks: its norm all-reduces, and in_proj's output parts have the extra groups.
         self.norm_spans_ranks = config.ssm_n_groups % tp_size != 0
         if self.norm_spans_ranks and get_current_vllm_config().lora_config is not None:
@@ -194,43 +188,25 @@ class Mamba2Branch(ServedHistoryBranch):
 
     @staticmethod
     def triton_ops(metadata: HybridSSMMetadata, with_decode_attention: Callable) -> Mamba2Ops:
-        """The CUDA ops (imported on first use so that CPU-only installs never build them): the causal conv on our
-        kernels, as Mamba-1's (vLLM's prefill conv computes each block's tokens one after another, a vector of
-        channels at a time, where ours computes [tokens, channels] tiles; our decode conv starts a first token from
-        zero itself, where vLLM's needs its slot zeroed by another launch), vLLM's chunked scan with this step's chunks
-        bound and its gated norm (mamba2_kernels.py), and the decode step fused with the decodes' window attention:
-        `with_decode_attention` binds the attention backend's arguments to `hybrid_decode_ssd`, which then takes the
-        state update's (one launch for both)."""
+        """The CUDA ops (imported on first use so that CPU-only installs never build them): our kernels, which size
+        their grids from the tensors (the metadata is not needed; the scan finds each prefill's chunks on the device,
+        chunks of 64 tokens from each sequence's first token, whatever `ssm_chunk_size`: the chunk length changes
+        only the rounding), and the decode step fused with the decodes' window attention: `with_decode_attention`
+        binds the attention backend's arguments to `hybrid_decode_ssd`, which then takes the state update's (one
+        launch for both)."""
         from modeling.ops.causal_conv1d.interface import causal_conv1d_update, causal_conv1d_varlen_fwd
+        from modeling.ops.ssd.gated_norm import gated_rms_norm_fwd
+        from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
         from ..ops.hybrid_decode.interface import hybrid_decode_ssd
-        from . import mamba2_kernels as kernels
 
         return Mamba2Ops(
             conv_update=causal_conv1d_update,
             conv_varlen=causal_conv1d_varlen_fwd,
             decode_step=with_decode_attention(hybrid_decode_ssd),
-            scan_varlen=functools.partial(kernels.scan_varlen, metadata=metadata),
-            gated_norm=kernels.gated_norm,
+            scan_varlen=ssd_varlen_scan_fwd,
+            gated_norm=gated_rms_norm_fwd,
         )
-
-    def warm_up_triton_ops(self, branch_input: torch.Tensor) -> None:
-        """vLLM's chunked scan is autotuned on its first call, by timing its configs on the GPU: run here, on one chunk
-        of zeros with an initial state, in the dtypes of serving (the key of its tuning; the length is not)."""
-        from vllm.model_executor.layers.mamba.ops.ssd_combined import mamba_chunk_scan_combined_varlen
-
-        _, state_dtype = self.get_state_dtype()
-        chunk, like = self.chunk_size, branch_input
-        x = like.new_zeros(chunk, self.num_heads, self.head_dim)
-        B = like.new_zeros(chunk, self.n_groups, self.state_size)
-        cu_seqlens = torch.tensor([0, chunk], dtype=torch.int32, device=like.device)
-        first_chunk = torch.zeros(1, dtype=torch.int32, device=like.device)
-        mamba_chunk_scan_combined_varlen(
-            x, like.new_zeros(chunk, self.num_heads), self.A, B, B, chunk, cu_seqlens, cu_seqlens, first_chunk,
-            first_chunk, torch.empty_like(x), D=self.D, dt_bias=self.dt_bias,
-            initial_states=x.new_zeros(1, *self.get_state_shape()[1], dtype=state_dtype), dt_softplus=True,
-            state_dtype=state_dtype,
-        )  # fmt: skip
 
     def forward(
         self,
@@ -283,8 +259,5 @@ class Mamba2Branch(ServedHistoryBranch):
 
     @property
     def mamba_type(self) -> MambaAttentionBackendEnum:
-        # vLLM's Mamba-2 state layout; the metadata is history/metadata.py's (get_attn_backend).
+        # vLLM's Mamba-2 state layout (its state copy functions for prefix caching).
         return MambaAttentionBackendEnum.MAMBA2
-
-    def get_attn_backend(self) -> type[HybridMamba2SSMBackend]:
-        return HybridMamba2SSMBackend

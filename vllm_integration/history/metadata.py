@@ -5,7 +5,7 @@ zero: vLLM may replay a batch of such rows from its full "uniform decode" CUDA g
 Runner V2 puts one-token prompts among the decodes. Padded rows of a replay carry vLLM's null block as slot and a
 False flag: they read zeros and write only into the null block. What a branch reads of it (the decodes' and the
 prefills' state slots, the prefills' `query_start_loc_p` and `has_initial_states_p`) does not depend on the branch's
-state layout. The Mamba-2 branch also reads the prefills' chunks of its chunked scan (`HybridMamba2MetadataBuilder`).
+state layout.
 """
 
 from dataclasses import dataclass, replace
@@ -25,9 +25,6 @@ class HybridSSMMetadata(Mamba1AttentionMetadata):
     # [decode rows] bool (None in batches without decode rows): False marks a request's first token, which starts
     # from a zero state whatever its slot holds.
     has_initial_states_d: torch.Tensor | None = None
-    # [prefill chunks] int32, Mamba-2 only: the prefill sequence of each chunk of cu_chunk_seqlen_p (vLLM's
-    # Mamba2AttentionMetadata.seq_idx_p).
-    seq_idx_p: torch.Tensor | None = None
 
 
 class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
@@ -83,46 +80,12 @@ class HybridSSMMetadataBuilder(Mamba1AttentionMetadataBuilder):
         return self.has_initial_states_d[:rows].copy_(flags)
 
 
-class HybridMamba2MetadataBuilder(HybridSSMMetadataBuilder):
-    """The hybrid's metadata plus the prefills' chunks that vLLM's Mamba-2 scan reads (`cu_chunk_seqlen_p`,
-    `last_chunk_indices_p`, `seq_idx_p`), made by vLLM's own helper as its Mamba-2 builder makes them: chunks of
-    `ssm_chunk_size` tokens aligned to each sequence's positions (a continued prefill first finishes its open chunk),
-    never across sequences, from host-side lengths (no device sync)."""
-
-    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
-        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.chunk_size = vllm_config.model_config.hf_text_config.ssm_chunk_size
-
-    def build(
-        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False, **kwargs
-    ) -> HybridSSMMetadata:
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build, **kwargs)
-        if metadata.num_prefills == 0:
-            return metadata
-        # The helper reads the prefills as the batch's last rows: so they are in our split too. (vLLM 0.32 returns
-        # a fourth tensor, its prefill checkpoints' chunks: None without checkpoints.)
-        cu_chunk_seqlen, seq_idx, last_chunk_indices, *_ = self._build_chunk_metadata_tensors(
-            self.chunk_size, metadata, common_attn_metadata
-        )
-        return replace(
-            metadata, cu_chunk_seqlen_p=cu_chunk_seqlen, seq_idx_p=seq_idx, last_chunk_indices_p=last_chunk_indices
-        )
-
-
 class HybridSSMBackend(Mamba1AttentionBackend):
     """Mamba-1's state backend (same name, layout and kernels' metadata) with the hybrid's metadata builder."""
 
     @staticmethod
     def get_builder_cls() -> type[HybridSSMMetadataBuilder]:
         return HybridSSMMetadataBuilder
-
-
-class HybridMamba2SSMBackend(HybridSSMBackend):
-    """The state backend of the Mamba-2 branch: the hybrid's metadata with the prefills' chunks."""
-
-    @staticmethod
-    def get_builder_cls() -> type[HybridMamba2MetadataBuilder]:
-        return HybridMamba2MetadataBuilder
 
 
 def token_split(metadata) -> tuple[slice, slice]:
