@@ -31,12 +31,6 @@ needs_two_workers = pytest.mark.skipif(
 TWO_WORKERS_ENVIRONMENT = {} if torch.cuda.is_available() else {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def compiled_variants(*kernels) -> list[int]:
-    """How many variants of each Triton kernel are compiled for the GPU (Triton 3.6 keeps them per device, in
-    `device_caches[device][0]`): what a test of "one compilation serves every batch shape" counts."""
-    return [sum(len(caches[0]) for caches in kernel.device_caches.values()) for kernel in kernels]
-
-
 class HopperCompileKeys:
     """Records the launches of Triton kernels (under the interpreter too) and gives, for each kernel, the compile-cache
     keys Triton would give those launches on an H100 (`JITFunction.run`'s binder for sm_90: argument types, 16-byte
@@ -54,6 +48,10 @@ class HopperCompileKeys:
             jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
             bind = create_function_from_signature(jit.signature, jit.params, backend)
             monkeypatch.setattr(kernel, "run", self._recording(kernel.run, bind, self.keys[kernel.__name__]))
+
+    def counts(self) -> dict[str, int]:
+        """How many variants of each kernel its launches so far compile (0: not launched)."""
+        return {kernel: len(keys) for kernel, keys in self.keys.items()}
 
     @staticmethod
     def _recording(run, bind, keys):

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import compiled_variants
+from conftest import HopperCompileKeys
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_scan_varlen_ref
 
@@ -537,8 +537,7 @@ def test_varlen_rejects_bad_shapes(scan):
         )  # fmt: skip
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
-def test_varlen_compiles_once_for_every_chunk_length(scan):
+def test_varlen_compiles_once_for_every_chunk_length(scan, monkeypatch):
     """Serving picks the chunk length from each batch's shape: one compilation of the chunked forward serves every
     length (a variant per length would stall serving for seconds), and every length computes the reference's y and
     final states."""
@@ -558,9 +557,9 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
     cache_ref, out_ref = cache.clone(), torch.empty_like(u)
     selective_scan_varlen_ref(*args, cache_ref, cu_seqlens, state_indices, has_initial_state, out_ref, **dt_args)
     forward = importlib.import_module("modeling.ops.selective_scan.forward")
-    kernels = (forward._selective_scan_fwd_kernel, forward._selective_scan_chunk_combine_kernel)
-    for kernel in kernels:  # variants earlier tests compiled would hide a first compilation here
-        kernel.device_caches.clear()
+    compile_keys = HopperCompileKeys(
+        monkeypatch, forward._selective_scan_fwd_kernel, forward._selective_scan_chunk_combine_kernel
+    )
 
     def run(chunk):
         out, slots = torch.full_like(u, float("nan")), cache.clone()
@@ -571,8 +570,8 @@ def test_varlen_compiles_once_for_every_chunk_length(scan):
         torch.testing.assert_close(slots, cache_ref, atol=1e-4, rtol=1e-4)
 
     run(16)  # chunks of 16 steps and more (the default is 64 and up): a chunked launch at every length below
-    compiled = compiled_variants(*kernels)
-    assert all(compiled), compiled
+    compiled = compile_keys.counts()
+    assert all(compiled.values()), compiled
     for chunk in (32, 64, 128, 16):
         run(chunk)
-    assert compiled_variants(*kernels) == compiled
+    assert compile_keys.counts() == compiled

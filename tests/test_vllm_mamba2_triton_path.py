@@ -21,9 +21,11 @@ from test_vllm_triton_path import (
     KVH,
     NUM_BLOCKS,
     NUM_SLOTS,
+    SERVING_KERNELS,
     D,
     H,
     W,
+    assert_serving_kernels_compile_once,
     host_syncs_raise,
     mixed_step,
     reference_path,
@@ -121,6 +123,13 @@ def test_triton_path_matches_the_reference_path(branch, metadata_builders, step)
         assert torch.equal(got[untouched], before[untouched]), "a slot no request owns was written"
         for slot in used:
             assert not torch.equal(got[slot], before[slot]), f"slot {slot} was not updated"
+
+
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(branch, metadata_builders, monkeypatch):
+    """As Mamba-1's (tests/test_vllm_triton_path.py): batches of 0 to 3 decodes before two prefills, their slots and
+    lengths sliced past the decodes' by vLLM's metadata; an H100 compiles each prefill and decode kernel of the
+    Mamba-2 serving path once for all of them (counted without a GPU)."""
+    assert_serving_kernels_compile_once(branch, metadata_builders, monkeypatch, SERVING_KERNELS["mamba2"])
 
 
 def test_the_profiling_run_writes_zeros_and_touches_no_state(branch, monkeypatch):

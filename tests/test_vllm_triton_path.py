@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("triton")
 
-from conftest import compiled_variants, tiny_config, vllm_tensor_parallel_one
+from conftest import HopperCompileKeys, tiny_config, vllm_tensor_parallel_one
 
 from vllm_integration.ops import paged_window_attention_ref
 
@@ -157,7 +157,7 @@ def serving_inputs(branch, num_tokens, g):
     split_counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
     layer = SimpleNamespace(ssm=branch, kv_cache=kv_cache, head_size=D, window=W, split_counters=split_counters)
     query = torch.randn(num_tokens, H, D, generator=g).to(DEVICE)
-    xz = torch.randn(num_tokens, 2 * E, generator=g).to(DEVICE)
+    xz = torch.randn(num_tokens, sum(branch.in_proj_sizes(branch.config, 1)), generator=g).to(DEVICE)
     conv_shape, ssm_shape = branch.get_state_shape()
     states = (
         torch.randn(NUM_SLOTS, *conv_shape, generator=g).to(DEVICE),
@@ -240,47 +240,57 @@ def decodes_then_prefills(builders, num_decodes, g):
     return attn_metadata, ssm_metadata, num_tokens
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernels")
-def test_serving_kernels_compile_once_whatever_the_number_of_decodes(branch, metadata_builders):
-    """A prefill batch with no decodes (vLLM's warm-up batch) compiles every prefill kernel the serving path uses;
-    mixed batches with 1 to 3 decodes in front (their prefill slices at other alignments) compile nothing more,
-    and after the first decode nor do the decode kernels. A variant compiled while serving stalls it for seconds."""
-    from modeling.ops.causal_conv1d import forward as causal_conv1d_forward
-    from modeling.ops.selective_scan import forward as selective_scan_forward
-    from vllm_integration.ops.hybrid_decode.kernel import _hybrid_decode_kernel
-    from vllm_integration.ops.paged_attention.kernel import _paged_window_attention_kernel
+def test_serving_kernels_compile_once_whatever_the_number_of_decodes(branch, metadata_builders, monkeypatch):
+    """A prefill batch with no decodes (vLLM's warm-up batch), then mixed batches with 1 to 3 decodes in front (their
+    prefill slices at other alignments): an H100 compiles each prefill and decode kernel of the serving path once for
+    all of them (Triton's compile keys of every launch, counted without a GPU). A variant compiled while serving
+    stalls it for seconds."""
+    assert_serving_kernels_compile_once(branch, metadata_builders, monkeypatch, SERVING_KERNELS["mamba1"])
 
-    prefill_kernels = [
-        _paged_window_attention_kernel,
-        causal_conv1d_forward._causal_conv1d_fwd_kernel,
-        causal_conv1d_forward._varlen_conv_state_kernel,
-        selective_scan_forward._selective_scan_fwd_kernel,
-    ]
-    decode_kernels = [causal_conv1d_forward._causal_conv1d_update_kernel, _hybrid_decode_kernel]
 
-    for kernel in prefill_kernels + decode_kernels:  # the variants earlier tests compiled would hide new ones
-        kernel.device_caches.clear()
+def assert_serving_kernels_compile_once(branch, metadata_builders, monkeypatch, kernels):
+    """Serves batches of 0, 1, 2, 3 and 1 decodes before two prefills through `attend_and_run_branch` and asserts
+    that each of `kernels` (module, name) ran, under one compile key."""
+    import importlib
 
+    kernels = [getattr(importlib.import_module(module), name) for module, name in kernels]
+    compile_keys = HopperCompileKeys(monkeypatch, *kernels)
     g = torch.Generator().manual_seed(4)
-
-    def serve(num_decodes):
+    for num_decodes in (0, 1, 2, 3, 1):
         attn_metadata, ssm_metadata, num_tokens = decodes_then_prefills(metadata_builders, num_decodes, g)
-        layer, impl, query, xz, states = serving_inputs(branch, num_tokens, g)
+        layer, impl, query, in_proj_output, states = serving_inputs(branch, num_tokens, g)
         branch.kv_cache = states
         output = torch.empty(num_tokens, H, D, device=DEVICE)
-        ssm_output = torch.empty(num_tokens, E, device=DEVICE)
+        ssm_output = torch.empty(num_tokens, branch.intermediate_size, device=DEVICE)
         with torch.no_grad():
-            impl.attend_and_run_branch(layer, query, None, None, xz, output, ssm_output, attn_metadata, ssm_metadata)
+            impl.attend_and_run_branch(
+                layer, query, None, None, in_proj_output, output, ssm_output, attn_metadata, ssm_metadata
+            )  # fmt: skip
+    counts = {kernel: len(keys) for kernel, keys in compile_keys.keys.items()}
+    assert all(count == 1 for count in counts.values()), counts
 
-    serve(0)
-    prefill_compiled = compiled_variants(*prefill_kernels)
-    serve(1)
-    decode_compiled = compiled_variants(*decode_kernels)
-    assert all(prefill_compiled) and all(decode_compiled), (prefill_compiled, decode_compiled)
-    for num_decodes in (2, 3, 1):
-        serve(num_decodes)
-    assert compiled_variants(*prefill_kernels) == prefill_compiled
-    assert compiled_variants(*decode_kernels) == decode_compiled
+
+# The Triton kernels each branch's serving path launches (fp32: our paged attention for the prefills, not FA3).
+SERVING_KERNELS = {
+    "mamba1": [
+        ("vllm_integration.ops.paged_attention.kernel", "_paged_window_attention_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_causal_conv1d_fwd_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_varlen_conv_state_kernel"),
+        ("modeling.ops.selective_scan.forward", "_selective_scan_fwd_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_causal_conv1d_update_kernel"),
+        ("vllm_integration.ops.hybrid_decode.kernel", "_hybrid_decode_kernel"),
+    ],
+    "mamba2": [
+        ("vllm_integration.ops.paged_attention.kernel", "_paged_window_attention_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_causal_conv1d_fwd_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_varlen_conv_state_kernel"),
+        ("modeling.ops.ssd.varlen", "_ssd_varlen_walk_kernel"),
+        ("modeling.ops.ssd.varlen", "_ssd_varlen_outputs_kernel"),
+        ("modeling.ops.ssd.gated_norm", "_gated_rms_norm_fwd_kernel"),
+        ("modeling.ops.causal_conv1d.forward", "_causal_conv1d_update_kernel"),
+        ("vllm_integration.ops.hybrid_decode.kernel", "_hybrid_decode_kernel"),
+    ],
+}
 
 
 @pytest.mark.parametrize("cache_dtype", ["fp8_e5m2", "int8_per_token_head"])

@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import compiled_variants
+from conftest import HopperCompileKeys
 
 from modeling.ops.selective_scan import selective_scan_ref, selective_state_update_ref
 from tools.paged_cache import DEVICE, paged_kv_cache
@@ -389,8 +389,7 @@ def test_hybrid_decode_ssd_replays_from_a_cuda_graph(kernels):
         assert torch.equal(counters, torch.zeros_like(counters))
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="counts compilations (the interpreter compiles nothing)")
-def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(kernels):
+def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(kernels, monkeypatch):
     """Serving hands the fused decode every batch size, and the batch size picks the split count: one compilation
     with split-K and one without serve them all (a variant per value would stall serving for seconds each)."""
     g = torch.Generator().manual_seed(5)
@@ -417,13 +416,15 @@ def test_hybrid_decode_does_not_recompile_across_batch_sizes_and_split_counts(ke
         )
         torch.testing.assert_close(attn_out, attn_ref, atol=1e-5, rtol=1e-5)
 
+    kernel = importlib.import_module("vllm_integration.ops.hybrid_decode.kernel")._hybrid_decode_kernel
+    compile_keys = HopperCompileKeys(monkeypatch, kernel)
     launch(1, 2)
     launch(1, 1)
-    kernel = importlib.import_module("vllm_integration.ops.hybrid_decode.kernel")._hybrid_decode_kernel
-    compiled = compiled_variants(kernel)
+    compiled = compile_keys.counts()
+    assert compiled == {kernel.__name__: 2}, compiled  # with split-K and without
     for batch, splits in [(3, 3), (6, 2), (2, 5), (5, 1), (7, 4), (16, 1)]:
         launch(batch, splits)
-    assert compiled_variants(kernel) == compiled
+    assert compile_keys.counts() == compiled
 
 
 def test_hybrid_decode_split_counters_reset(kernels):

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import compiled_variants
+from conftest import HopperCompileKeys
 
 from tools.paged_cache import DEVICE, paged_kv_cache
 from vllm_integration.ops import paged_window_attention_ref
@@ -152,24 +152,23 @@ def test_bad_inputs_are_named(attention):
         attention(query, *e5m2, block_table, query_start_loc, seq_lens, 0.25, 4)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="counts the compiled variants of the GPU kernel")
-def test_prefill_compiles_once_for_every_query_length(attention):
+def test_prefill_compiles_once_for_every_query_length(attention, monkeypatch):
     """Serving hands the prefill path batches whose longest query is anything from 2 tokens (vLLM's warm-up batch)
     to a whole chunk: one compilation serves them all (a variant per length would stall serving for seconds)."""
     from vllm_integration.ops.paged_attention.kernel import _paged_window_attention_kernel as kernel
 
-    kernel.device_caches.clear()  # earlier tests' variants
+    compile_keys = HopperCompileKeys(monkeypatch, kernel)
 
     def run(seqs):  # block-table widths 4, 5 and 20 (a specialized stride): never 1 or a multiple of 16
         batch = make_batch(seqs, 4, 1, 32, 16, 16, torch.bfloat16)
         check(attention, batch, 16, max_query_len=max(q for _, q in seqs), max_seq_len=max(s for s, _ in seqs))
 
     run([(40, 2), (9, 2)])
-    compiled = compiled_variants(kernel)
-    assert all(compiled), compiled
+    compiled = compile_keys.counts()
+    assert all(compiled.values()), compiled
     for seqs in ([(37, 37), (45, 9)], [(23, 5), (50, 17)], [(300, 130), (40, 1)], [(33, 3), (41, 40)]):
         run(seqs)
-    assert compiled_variants(kernel) == compiled
+    assert compile_keys.counts() == compiled
 
 
 @pytest.mark.skipif(
