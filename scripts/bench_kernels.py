@@ -1082,12 +1082,43 @@ def bench_ssd_sweep(args) -> list[Row]:
         y, _ = ssd_chunk_scan_fn(*inputs, **knobs)
         return torch.autograd.grad(y, inputs, dy)
 
-    fwd_knobs = one_knob_at_a_time({
-        "walk_p": [16, 64], "walk_n": [32, 128], "walk_warps": [2, 8], "out_p": [32], "out_n": [32, 128],
-        "out_warps": [8],
-    })  # fmt: skip
     bwd_knobs = one_knob_at_a_time({"bwd_n": [16, 64], "bwd_warps": [4]})
-    return sweep("ssd fwd", shape, fwd, fwd_knobs) + sweep("ssd f+b", shape, fwd_bwd, bwd_knobs)
+    return sweep("ssd fwd", shape, fwd, SSD_FWD_KNOBS) + sweep("ssd f+b", shape, fwd_bwd, bwd_knobs)
+
+
+# The SSD forward's launch shapes around `pick_ssd_blocks`' defaults (walk tiles 32 x 64, outputs 64 x 64, 4 warps).
+SSD_FWD_KNOBS = one_knob_at_a_time({
+    "walk_p": [16, 64], "walk_n": [32, 128], "walk_warps": [2, 8], "out_p": [32], "out_n": [32, 128], "out_warps": [8],
+})  # fmt: skip
+
+
+def bench_ssd_varlen_sweep(args) -> list[Row]:
+    """The serving SSD scan (`ssd_varlen_scan_fwd`) alone at the prefill shape (`--prefill-*`; E = --serve-channels
+    in heads of 64, one group, N 128: `hybrid-mamba2`'s), x, B and C views of one conv output as served: its launch
+    shapes one knob at a time, then where the default's time goes (the walk, the outputs)."""
+    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
+
+    b = prefill_batch(args)
+    head_dim, state = 64, 128
+    total, channels = b.xs.shape
+    heads = channels // head_dim
+    x, B, C = randn(total, channels + 2 * state).split([channels, state, state], dim=-1)
+    x, B, C = x.unflatten(-1, (heads, head_dim)), B.unflatten(-1, (1, state)), C.unflatten(-1, (1, state))
+    dt = randn(total, heads, scale=0.5)
+    A = -torch.exp(randn(heads, dtype=torch.float32, scale=0.5))
+    D, dt_bias = randn(heads, dtype=torch.float32), randn(heads, dtype=torch.float32, scale=0.5) - 3
+    ssm_state = randn(b.ssm_state0.shape[0], heads, head_dim, state, dtype=torch.float32)
+    out = torch.empty_like(x)
+    shape = f"{b.shape.split(', ')[0]}, H={heads} P={head_dim} N={state}"
+
+    def run(**knobs):
+        return ssd_varlen_scan_fwd(
+            x, dt, A, B, C, D, ssm_state, b.cu_seqlens, b.slots, b.has_initial, 256, out, dt_bias=dt_bias,
+            dt_softplus=True, **knobs,
+        )  # fmt: skip
+
+    combos = [{"walk_p": 16, "walk_n": 32}, {"walk_p": 16, "walk_warps": 2}]
+    return sweep("ssd varlen", shape, run, SSD_FWD_KNOBS + combos) + kernel_breakdown("ssd varlen", shape, run)
 
 
 def bench_prefill_scan_sweep(args) -> list[Row]:
@@ -1192,6 +1223,7 @@ SECTIONS: dict[str, Callable] = {
     "scan_sweep": bench_scan_sweep,
     "ssd_sweep": bench_ssd_sweep,
     "prefill_scan_sweep": bench_prefill_scan_sweep,
+    "ssd_varlen_sweep": bench_ssd_varlen_sweep,
 }
 CEILINGS: dict[str, float] = {}
 

@@ -10,7 +10,8 @@
 #   bash scripts/device_check.sh mamba2-prefill  # the kernels a served Mamba-2 prefill runs (conv, packed-prefill scan,
 #                                          # gated norm): their tests, then bench_kernels.py's prefill rows at the
 #                                          # serving benchmark's prefill step (one 8192-token sequence, E 2048) and at
-#                                          # 8 x 1024; vLLM's Mamba-2 kernels beside ours where vLLM is staged
+#                                          # 8 x 1024; vLLM's Mamba-2 kernels beside ours where vLLM is staged;
+#                                          # then the scan's launch-shape sweep and kernel split at 1 x 8192
 #   bash scripts/device_check.sh mamba2-steps  # the Mamba-2 (N 128) training step against the model without the branch:
 #                                          # eager with one profiled step, then under torch.compile (the scan's
 #                                          # kernels traced into the step's graph)
@@ -114,6 +115,10 @@ case "${1:-kernels}" in
         | tee "$OUT/prefill-$shape.log" | tail -16
       ((PIPESTATUS[0])) && bench_status=1
     done
+    # The scan's launch shapes at the serving prefill step, and its two kernels' times.
+    timeout 150 python3 scripts/bench_kernels.py --only ssd_varlen_sweep --prefill-seqs 1 --prefill-seq-len 8192 \
+      --serve-channels 2048 --json "$OUT/ssd-varlen-sweep.json" 2>&1 | tee "$OUT/ssd-varlen-sweep.log" | tail -18
+    ((PIPESTATUS[0])) && bench_status=1
     exit $((tests_status || bench_status))
     ;;
   mamba2-steps)

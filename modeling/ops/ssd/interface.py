@@ -147,7 +147,7 @@ def ssd_chunk_scan_fn(
 def ssd_varlen_scan_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, chunk_size: int, out: Tensor | None = None, *,
-    dt_bias: Tensor | None = None, dt_softplus: bool = False,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, **blocks: int,
 ) -> Tensor:  # fmt: skip
     """`ssd_varlen_scan_ref`'s contract and result on the kernels of varlen.py (serving prefills, no autograd): x
     [T, H, P] and B, C [T, G, N] (tokens and heads/groups strided, the last dimension contiguous: views of the
@@ -155,7 +155,7 @@ def ssd_varlen_scan_fwd(
     (fp32, bf16 or fp16, any strides) read and written in place, cu_seqlens [S+1], state_indices [S] and
     has_initial_state [S] of S sequences. Returns out [T, H, P] in x's dtype; rows past cu_seqlens[-1] are not
     written. `chunk_size` is the reference's; the result does not depend on it, and the kernels' tile is 64. No host
-    sync."""
+    sync. `blocks`: launch shapes (`SSDBlocks` fields: walk_*, out_*) for benchmarks to sweep."""
     from .varlen import launch_ssd_varlen_scan
 
     if x.dim() != 3 or B.dim() != 3:
@@ -180,6 +180,7 @@ def ssd_varlen_scan_fwd(
         raise ValueError(f"out: expected {tuple(x.shape)} {x.dtype}, got {tuple(out.shape)} {out.dtype}")
     if num_seqs:
         launch_ssd_varlen_scan(
-            x, dt, A, B, C, D, state_cache, cu_seqlens, state_indices, has_initial_state, out, dt_bias, dt_softplus
-        )
+            x, dt, A, B, C, D, state_cache, cu_seqlens, state_indices, has_initial_state, out, dt_bias, dt_softplus,
+            pick_ssd_blocks(head_dim, state_size, **blocks),
+        )  # fmt: skip
     return out

@@ -3,16 +3,18 @@
 cut into its own chunks of L tokens from its first token, so that no chunk holds two sequences and no segment masks
 are needed; the programs find their sequence on the device (no host sync, no metadata from the caller):
 
-    walk     one program per (head, block of P, block of N) walks the sequences in order and each one's chunks,
-             starting from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32
-             [chunks, H, P, N]) and writing the final state back into the slot
+    walk     one program per (sequence, block of P and N, head) walks the sequence's chunks in order, starting
+             from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32 [chunks, H,
+             P, N]) and writing the final state back into the slot (the sequences in parallel: their chains are
+             independent)
     outputs  one program per (block of P, chunk, head): y of the chunk's tokens (all chunks in parallel), its sequence
              found by a binary search over the sequences' first chunks (no compile-time size tied to the batch: one
              compilation serves every number of prefills)
 
-Neither kernel lets Triton specialize on `num_seqs` (it would compile a batch of one prefill, and one of a multiple of
-16, apart from the others: a stall while serving), nor the walk on the alignment of the slots (vLLM's Mamba metadata
-hands the prefills' slots as a slice past the decodes', at an alignment that changes with the number of decodes).
+The outputs kernel does not let Triton specialize on `num_seqs` (it would compile a batch of one prefill, and one of a
+multiple of 16, apart from the others: a stall while serving), nor the walk on the alignment of the slots (vLLM's
+Mamba metadata hands the prefills' slots as a slice past the decodes', at an alignment that changes with the number
+of decodes).
 
 dt is the raw step: its bias and softplus are applied in both kernels (`dt_bias`, `dt_softplus`), as the reference
 applies them.
@@ -24,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..triton_utils import cdiv, softplus, stride_args
-from .forward import CHUNK, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision, pick_ssd_blocks
+from .forward import CHUNK, SSDBlocks, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision
 
 
 @triton.jit
@@ -48,16 +50,17 @@ def _varlen_chunk(
     return o_t, t, m_t, b_dt, b_G, G_last
 
 
-@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["p_idx"])
+@triton.jit(do_not_specialize_on_alignment=["p_idx"])
 def _ssd_varlen_walk_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_cache, p_cu, p_idx, p_init, p_offsets, p_walk,
-    num_seqs, H, P, N, heads_per_group,
+    H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n,
     s_cache_s, s_cache_h, s_cache_p, s_cache_n,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    i_n, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,29 +70,28 @@ def _ssd_varlen_walk_kernel(
     p_B += i_g * s_B_g
     p_walk += i_h * P * N + o_p[:, None] * N + o_n[None, :]
     p_cache += i_h * s_cache_h + o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
-    for i_s in range(num_seqs):
-        t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
-        c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
-        p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s
-        b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        if tl.load(p_init + i_s):
-            b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
-        for i_c in range(c1 - c0):
-            tl.store(p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
-            _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
-                p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
-            )
-            b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
-            b_carry = tl.exp(G_last) * b_carry + _chunk_contribution(
-                p_x, p_B, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
-            )
-        tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
+    t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
+    c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
+    p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s
+    b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if tl.load(p_init + i_s):
+        b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+    for i_c in range(c1 - c0):
+        tl.store(p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
+        _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
+            p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
+        )
+        b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
+        b_carry = tl.exp(G_last) * b_carry + _chunk_contribution(
+            p_x, p_B, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
+        )
+    tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
 def _ssd_varlen_outputs_kernel(
-    p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_cu, p_offsets, p_walk, p_y,
-    num_seqs, H, P, N, heads_per_group,
+    p_x, p_dt, p_dt_bias, p_A, p_B, p_C, p_D, p_cu, p_offsets, p_walk, p_y, num_seqs,
+    H, P, N, heads_per_group,
     s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n, s_C_t, s_C_g, s_C_n, s_y_t, s_y_h, s_y_p,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
@@ -129,6 +131,7 @@ def _ssd_varlen_outputs_kernel(
 def launch_ssd_varlen_scan(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, out: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
+    blocks: SSDBlocks,
 ) -> None:  # fmt: skip
     """The walk, then the outputs, over checked tensors (`ssd_varlen_scan_fwd` in interface.py): x [T, H, P], dt
     [T, H], B and C [T, G, N] (the last dimension contiguous), A, D and dt_bias [H] contiguous, state_cache [slots,
@@ -141,20 +144,20 @@ def launch_ssd_varlen_scan(
     torch.cumsum(torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor"), 0, dtype=torch.int32, out=offsets[1:])
     max_chunks = cdiv(num_tokens, CHUNK) + num_seqs
     walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=torch.float32)
-    blocks = pick_ssd_blocks(head_dim, state_size)
     common = {
-        "num_seqs": num_seqs, "H": heads, "P": head_dim, "N": state_size, "heads_per_group": heads // B.shape[1],
+        "H": heads, "P": head_dim, "N": state_size, "heads_per_group": heads // B.shape[1],
         **stride_args("x", x, "thp"), **stride_args("dt", dt, "th"), **stride_args("B", B, "tgn"), "L": CHUNK,
         "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus, "PRECISION": dot_precision(x),
     }  # fmt: skip
     dt_bias = dt_bias if dt_bias is not None else A  # never read without HAS_DT_BIAS
-    _ssd_varlen_walk_kernel[(cdiv(state_size, blocks.walk_n), cdiv(head_dim, blocks.walk_p), heads)](
+    walk_tiles = cdiv(state_size, blocks.walk_n) * cdiv(head_dim, blocks.walk_p)
+    _ssd_varlen_walk_kernel[(num_seqs, walk_tiles, heads)](
         x, dt, dt_bias, A, B, state_cache, cu_seqlens, state_indices, has_initial_state, offsets, walk,
         **stride_args("cache", state_cache, "shpn"), **common, BLOCK_P=blocks.walk_p, BLOCK_N=blocks.walk_n,
         num_warps=blocks.walk_warps,
     )  # fmt: skip
     _ssd_varlen_outputs_kernel[(cdiv(head_dim, blocks.out_p), max_chunks, heads)](
-        x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out,
+        x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out, num_seqs,
         **stride_args("C", C, "tgn"), **stride_args("y", out, "thp"), **common, BLOCK_P=blocks.out_p,
         BLOCK_N=blocks.out_n, num_warps=blocks.out_warps,
     )  # fmt: skip
