@@ -1095,7 +1095,8 @@ SSD_FWD_KNOBS = one_knob_at_a_time({
 def bench_ssd_varlen_sweep(args) -> list[Row]:
     """The serving SSD scan (`ssd_varlen_scan_fwd`) alone at the prefill shape (`--prefill-*`; E = --serve-channels
     in heads of 64, one group, N 128: `hybrid-mamba2`'s), x, B and C views of one conv output as served: its launch
-    shapes one knob at a time, then where the default's time goes (the walk, the outputs)."""
+    shapes one knob at a time and the kernels' chunk length (`tile`), then where the default's time goes (the walk,
+    the outputs)."""
     from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     b = prefill_batch(args)
@@ -1117,7 +1118,9 @@ def bench_ssd_varlen_sweep(args) -> list[Row]:
             dt_softplus=True, **knobs,
         )  # fmt: skip
 
-    combos = [{"walk_p": 16, "walk_n": 32}, {"walk_p": 16, "walk_warps": 2}]
+    # Chunks of 128 store half the states (the walk's fp32 [chunks, H, P, N], 2x the scan's other bytes at 64).
+    combos = [{"walk_p": 16, "walk_n": 32}, {"walk_p": 16, "walk_warps": 2}, {"tile": 32}, {"tile": 128},
+              {"tile": 128, "out_n": 32}, {"tile": 128, "out_p": 32, "out_warps": 8}]  # fmt: skip
     return sweep("ssd varlen", shape, run, SSD_FWD_KNOBS + combos) + kernel_breakdown("ssd varlen", shape, run)
 
 

@@ -370,10 +370,12 @@ VARLEN_LENGTHS, VARLEN_SLOTS, VARLEN_INITIAL = [70, 1, 9, 133], [4, 0, 6, 2], [T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
-def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype):
+@pytest.mark.parametrize("tile", [64, 128])
+def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype, tile):
     """modeling/ops/ssd/varlen.py, the served Mamba-2 prefills: outputs (poisoned first; padding rows left as they
     were) and the whole state cache (the sequences' slots hold their final states, every other slot is untouched)
-    against `ssd_varlen_scan_ref` on the same inputs, the raw dt with its bias and softplus, 4 heads in 2 groups."""
+    against `ssd_varlen_scan_ref` on the same inputs, the raw dt with its bias and softplus, 4 heads in 2 groups, in
+    the kernels' chunks of 64 (the default) and of 128 tokens."""
     from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     heads, head_dim, groups, state = 4, 16, 2, 32
@@ -393,7 +395,7 @@ def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype):
     if ON_GPU:  # no host sync: a device tensor read on the host raises
         torch.cuda.set_sync_debug_mode("error")
     try:
-        got = ssd_varlen_scan_fwd(*args, got_cache, *seqs, poisoned, dt_bias=dt_bias, dt_softplus=True)
+        got = ssd_varlen_scan_fwd(*args, got_cache, *seqs, poisoned, dt_bias=dt_bias, dt_softplus=True, tile=tile)
     finally:
         if ON_GPU:
             torch.cuda.set_sync_debug_mode("default")
@@ -468,6 +470,8 @@ def test_the_varlen_triton_scan_refuses_what_it_cannot_compute():
         ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache[..., :15], *seqs, 16)
     with pytest.raises(ValueError, match="has_initial_state"):
         ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache, *seqs[:2], torch.tensor([1], device=DEVICE), 16)
+    with pytest.raises(ValueError, match="tile: expected a power of two from 16 to 128 tokens, got 48"):
+        ssd_varlen_scan_fwd(x, dt, A, B, C, D, cache, *seqs, 16, tile=48)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

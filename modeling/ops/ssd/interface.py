@@ -147,15 +147,16 @@ def ssd_chunk_scan_fn(
 def ssd_varlen_scan_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, chunk_size: int, out: Tensor | None = None, *,
-    dt_bias: Tensor | None = None, dt_softplus: bool = False, **blocks: int,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, tile: int = CHUNK, **blocks: int,
 ) -> Tensor:  # fmt: skip
     """`ssd_varlen_scan_ref`'s contract and result on the kernels of varlen.py (serving prefills, no autograd): x
     [T, H, P] and B, C [T, G, N] (tokens and heads/groups strided, the last dimension contiguous: views of the
     conv's output), dt [T, H] raw with dt_bias [H] / dt_softplus, A and D [H] fp32, state_cache [slots, H, P, N]
     (fp32, bf16 or fp16, any strides) read and written in place, cu_seqlens [S+1], state_indices [S] and
     has_initial_state [S] of S sequences. Returns out [T, H, P] in x's dtype; rows past cu_seqlens[-1] are not
-    written. `chunk_size` is the reference's; the result does not depend on it, and the kernels' tile is 64. No host
-    sync. `blocks`: launch shapes (`SSDBlocks` fields: walk_*, out_*) for benchmarks to sweep."""
+    written. `chunk_size` is the reference's; the result does not depend on it. The kernels cut each sequence in
+    chunks of `tile` tokens (a power of two from 16 to 128; fewer chunks store fewer states, each costs more work).
+    No host sync. `blocks`: launch shapes (`SSDBlocks` fields: walk_*, out_*) for benchmarks to sweep."""
     from .varlen import launch_ssd_varlen_scan
 
     if x.dim() != 3 or B.dim() != 3:
@@ -171,6 +172,8 @@ def ssd_varlen_scan_fwd(
     if tuple(dt.shape) != (num_tokens, heads) or not dt.is_floating_point():
         raise ValueError(f"dt: expected a floating-point tensor of shape {(num_tokens, heads)}, got {tuple(dt.shape)}")
     check_heads_and_state_cache(A, D, dt_bias, state_cache, heads, head_dim, state_size)
+    if tile not in (16, 32, 64, 128):
+        raise ValueError(f"tile: expected a power of two from 16 to 128 tokens, got {tile}")
     num_seqs = state_indices.shape[0]
     check_index("cu_seqlens", cu_seqlens, (num_seqs + 1,), like=x)
     check_index("state_indices", state_indices, (num_seqs,), like=x)
@@ -181,6 +184,6 @@ def ssd_varlen_scan_fwd(
     if num_seqs:
         launch_ssd_varlen_scan(
             x, dt, A, B, C, D, state_cache, cu_seqlens, state_indices, has_initial_state, out, dt_bias, dt_softplus,
-            pick_ssd_blocks(head_dim, state_size, **blocks),
+            pick_ssd_blocks(head_dim, state_size, **blocks), tile,
         )  # fmt: skip
     return out

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..triton_utils import cdiv, softplus, stride_args
-from .forward import CHUNK, SSDBlocks, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision
+from .forward import SSDBlocks, _chunk_contribution, _chunk_outputs, _intra_chunk_decays, dot_precision
 
 
 @triton.jit
@@ -131,22 +131,23 @@ def _ssd_varlen_outputs_kernel(
 def launch_ssd_varlen_scan(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, out: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
-    blocks: SSDBlocks,
+    blocks: SSDBlocks, tile: int,
 ) -> None:  # fmt: skip
     """The walk, then the outputs, over checked tensors (`ssd_varlen_scan_fwd` in interface.py): x [T, H, P], dt
     [T, H], B and C [T, G, N] (the last dimension contiguous), A, D and dt_bias [H] contiguous, state_cache [slots,
-    H, P, N], cu_seqlens, state_indices and has_initial_state of S >= 1 sequences, out [T, H, P]."""
+    H, P, N], cu_seqlens, state_indices and has_initial_state of S >= 1 sequences, out [T, H, P]; chunks of `tile`
+    tokens."""
     num_tokens, heads, head_dim = x.shape
     num_seqs, state_size = state_indices.shape[0], B.shape[-1]
     # Each sequence's first chunk: the chunks of the sequences before it (no host sync: the grid takes a bound).
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
     offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
-    torch.cumsum(torch.div(lengths + CHUNK - 1, CHUNK, rounding_mode="floor"), 0, dtype=torch.int32, out=offsets[1:])
-    max_chunks = cdiv(num_tokens, CHUNK) + num_seqs
+    torch.cumsum(torch.div(lengths + tile - 1, tile, rounding_mode="floor"), 0, dtype=torch.int32, out=offsets[1:])
+    max_chunks = cdiv(num_tokens, tile) + num_seqs
     walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=torch.float32)
     common = {
         "H": heads, "P": head_dim, "N": state_size, "heads_per_group": heads // B.shape[1],
-        **stride_args("x", x, "thp"), **stride_args("dt", dt, "th"), **stride_args("B", B, "tgn"), "L": CHUNK,
+        **stride_args("x", x, "thp"), **stride_args("dt", dt, "th"), **stride_args("B", B, "tgn"), "L": tile,
         "HAS_DT_BIAS": dt_bias is not None, "DT_SOFTPLUS": dt_softplus, "PRECISION": dot_precision(x),
     }  # fmt: skip
     dt_bias = dt_bias if dt_bias is not None else A  # never read without HAS_DT_BIAS
