@@ -194,6 +194,12 @@ def mamba2_serving_scan():
             x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
             dt_softplus=True,
         )  # fmt: skip
+    # The variants bench_kernels' ssd_varlen_sweep times: chunks of 128, the walk split in two.
+    for variant in ({"tile": 128}, {"split_walk": True}):
+        ssd_varlen_scan_fwd(
+            x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
+            dt_softplus=True, **variant,
+        )  # fmt: skip
 
 
 def mamba2_gated_norm():

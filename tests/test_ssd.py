@@ -370,12 +370,12 @@ VARLEN_LENGTHS, VARLEN_SLOTS, VARLEN_INITIAL = [70, 1, 9, 133], [4, 0, 6, 2], [T
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
-@pytest.mark.parametrize("tile", [64, 128])
-def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype, tile):
+@pytest.mark.parametrize("tile, split_walk", [(64, False), (128, False), (64, True)], ids=["64", "128", "64-split"])
+def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype, tile, split_walk):
     """modeling/ops/ssd/varlen.py, the served Mamba-2 prefills: outputs (poisoned first; padding rows left as they
     were) and the whole state cache (the sequences' slots hold their final states, every other slot is untouched)
     against `ssd_varlen_scan_ref` on the same inputs, the raw dt with its bias and softplus, 4 heads in 2 groups, in
-    the kernels' chunks of 64 (the default) and of 128 tokens."""
+    the kernels' chunks of 64 (the default) and of 128 tokens, and with the walk split in two kernels."""
     from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     heads, head_dim, groups, state = 4, 16, 2, 32
@@ -395,7 +395,9 @@ def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype, tile):
     if ON_GPU:  # no host sync: a device tensor read on the host raises
         torch.cuda.set_sync_debug_mode("error")
     try:
-        got = ssd_varlen_scan_fwd(*args, got_cache, *seqs, poisoned, dt_bias=dt_bias, dt_softplus=True, tile=tile)
+        got = ssd_varlen_scan_fwd(
+            *args, got_cache, *seqs, poisoned, dt_bias=dt_bias, dt_softplus=True, tile=tile, split_walk=split_walk
+        )
     finally:
         if ON_GPU:
             torch.cuda.set_sync_debug_mode("default")
@@ -413,7 +415,8 @@ def test_the_varlen_triton_scan_is_the_reference(dtype, cache_dtype, tile):
     assert torch.equal(got_cache[untouched], cache[untouched])
 
 
-def test_the_varlen_triton_scan_serves_any_number_of_prefills_from_one_compilation(monkeypatch):
+@pytest.mark.parametrize("split_walk", [False, True], ids=["walk", "split-walk"])
+def test_the_varlen_triton_scan_serves_any_number_of_prefills_from_one_compilation(monkeypatch, split_walk):
     """Batches of 1, 2, 5 and 16 prefills (lengths 1 to 150, so that chunks of one sequence and single-token sequences
     alternate), their slots at the alignments vLLM hands them: each chunk's program finds its sequence (a binary
     search over their first chunks) and the results are the reference's, and an H100 compiles each kernel once for
@@ -423,7 +426,12 @@ def test_the_varlen_triton_scan_serves_any_number_of_prefills_from_one_compilati
     from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
 
     heads, head_dim, groups, state = 2, 16, 1, 16
-    compile_keys = HopperCompileKeys(monkeypatch, varlen._ssd_varlen_walk_kernel, varlen._ssd_varlen_outputs_kernel)
+    walk = (
+        (varlen._ssd_varlen_chunk_states_kernel, varlen._ssd_varlen_state_pass_kernel)
+        if split_walk
+        else (varlen._ssd_varlen_walk_kernel,)
+    )
+    compile_keys = HopperCompileKeys(monkeypatch, *walk, varlen._ssd_varlen_outputs_kernel)
     g = torch.Generator().manual_seed(11)
     for num_seqs in (1, 2, 5, 16):
         lengths = torch.randint(1, 151, (num_seqs,), generator=g)
@@ -441,7 +449,9 @@ def test_the_varlen_triton_scan_serves_any_number_of_prefills_from_one_compilati
         seqs = (bounds, slots, (torch.rand(num_seqs, generator=g) < 0.5).to(DEVICE), 16)
         args = (x, dt, inputs["A"], B, C, inputs["D"])
         got_cache, want_cache = cache.clone(), cache.clone()
-        got = ssd_varlen_scan_fwd(*args, got_cache, *seqs, torch.full_like(x, float("nan")), dt_softplus=True)
+        got = ssd_varlen_scan_fwd(
+            *args, got_cache, *seqs, torch.full_like(x, float("nan")), dt_softplus=True, split_walk=split_walk
+        )
         want = ssd_varlen_scan_ref(*args, want_cache, *seqs, dt_softplus=True)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got_cache, want_cache, atol=1e-4, rtol=1e-4)

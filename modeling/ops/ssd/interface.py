@@ -147,7 +147,8 @@ def ssd_chunk_scan_fn(
 def ssd_varlen_scan_fwd(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, chunk_size: int, out: Tensor | None = None, *,
-    dt_bias: Tensor | None = None, dt_softplus: bool = False, tile: int = CHUNK, **blocks: int,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, tile: int = CHUNK, split_walk: bool = False,
+    **blocks: int,
 ) -> Tensor:  # fmt: skip
     """`ssd_varlen_scan_ref`'s contract and result on the kernels of varlen.py (serving prefills, no autograd): x
     [T, H, P] and B, C [T, G, N] (tokens and heads/groups strided, the last dimension contiguous: views of the
@@ -155,8 +156,9 @@ def ssd_varlen_scan_fwd(
     (fp32, bf16 or fp16, any strides) read and written in place, cu_seqlens [S+1], state_indices [S] and
     has_initial_state [S] of S sequences. Returns out [T, H, P] in x's dtype; rows past cu_seqlens[-1] are not
     written. `chunk_size` is the reference's; the result does not depend on it. The kernels cut each sequence in
-    chunks of `tile` tokens (a power of two from 16 to 128; fewer chunks store fewer states, each costs more work).
-    No host sync. `blocks`: launch shapes (`SSDBlocks` fields: walk_*, out_*) for benchmarks to sweep."""
+    chunks of `tile` tokens (a power of two from 16 to 128; fewer chunks store fewer states, each costs more work),
+    and walk the states down them in one kernel or in two (`split_walk`, varlen.py). No host sync. `blocks`: launch
+    shapes (`SSDBlocks` fields: walk_*, out_*) for benchmarks to sweep."""
     from .varlen import launch_ssd_varlen_scan
 
     if x.dim() != 3 or B.dim() != 3:
@@ -184,6 +186,6 @@ def ssd_varlen_scan_fwd(
     if num_seqs:
         launch_ssd_varlen_scan(
             x, dt, A, B, C, D, state_cache, cu_seqlens, state_indices, has_initial_state, out, dt_bias, dt_softplus,
-            pick_ssd_blocks(head_dim, state_size, **blocks), tile,
+            pick_ssd_blocks(head_dim, state_size, **blocks), tile, split_walk,
         )  # fmt: skip
     return out

@@ -50,6 +50,85 @@ def _varlen_chunk(
     return o_t, t, m_t, b_dt, b_G, G_last
 
 
+@triton.jit
+def _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk):
+    """Packed chunk i_chunk's sequence, its tokens [t0, t1), and the chunk's number i_c in it: the last sequence whose
+    first chunk is at or before i_chunk (offsets[lo] <= i_chunk < offsets[hi] throughout the binary search; a
+    zero-length sequence shares its first chunk with the next one, which the search passes over)."""
+    lo, hi = tl.full([], 0, tl.int32), num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if tl.load(p_offsets + mid) <= i_chunk:
+            lo = mid
+        else:
+            hi = mid
+    t0, t1 = tl.load(p_cu + lo).to(tl.int64), tl.load(p_cu + lo + 1).to(tl.int64)
+    return t0, t1, i_chunk - tl.load(p_offsets + lo)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _ssd_varlen_chunk_states_kernel(
+    p_x, p_dt, p_dt_bias, p_A, p_B, p_cu, p_offsets, p_walk, p_decay, num_seqs,
+    H, P, N, heads_per_group,
+    s_x_t, s_x_h, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_g, s_B_n,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """The split walk's first half: each chunk's own contribution to the state leaving it (as if it entered at zero)
+    into walk[chunk], and its decay exp(G_last) into decay[chunk, head]: all chunks in parallel."""
+    i_chunk, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if i_chunk >= tl.load(p_offsets + num_seqs):
+        return
+    t0, t1, i_c = _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk)
+    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
+    i_g = i_h // heads_per_group
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    a = tl.load(p_A + i_h).to(tl.float32)
+    _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
+        p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
+    )
+    b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
+    b_own = _chunk_contribution(
+        p_x + i_h * s_x_h, p_B + i_g * s_B_g, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
+    )
+    p_walk += (tl.cast(i_chunk, tl.int64) * H + i_h) * P * N + o_p[:, None] * N + o_n[None, :]
+    tl.store(p_walk, b_own, mask=m_pn)
+    if i_pn == 0:
+        tl.store(p_decay + tl.cast(i_chunk, tl.int64) * H + i_h, tl.exp(G_last))
+
+
+@triton.jit(do_not_specialize_on_alignment=["p_idx"])
+def _ssd_varlen_state_pass_kernel(
+    p_cache, p_idx, p_init, p_offsets, p_walk, p_decay, H, P, N, s_cache_s, s_cache_h, s_cache_p, s_cache_n,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The split walk's second half, one program per (sequence, tile of the state, head): down the sequence's chunks,
+    walk[c] (chunk c's own contribution) is read and replaced by the state entering chunk c, and the state leaving
+    it is decay[c] * that + the contribution; the last one goes into the sequence's slot. No products: a stream of
+    loads that do not depend on the running state."""
+    i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
+    p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s + i_h * s_cache_h
+    p_slot += o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
+    b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if tl.load(p_init + i_s):
+        b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+    p_walk += i_h * P * N + o_p[:, None] * N + o_n[None, :]
+    for i_chunk in tl.range(c0, c1, num_stages=2):
+        p_chunk = p_walk + tl.cast(i_chunk, tl.int64) * H * P * N
+        b_own = tl.load(p_chunk, mask=m_pn, other=0.0)
+        b_decay = tl.load(p_decay + tl.cast(i_chunk, tl.int64) * H + i_h)
+        tl.store(p_chunk, b_carry, mask=m_pn)
+        b_carry = b_decay * b_carry + b_own
+    tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
+
+
 @triton.jit(do_not_specialize_on_alignment=["p_idx"])
 def _ssd_varlen_walk_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_cache, p_cu, p_idx, p_init, p_offsets, p_walk,
@@ -99,18 +178,7 @@ def _ssd_varlen_outputs_kernel(
     i_p, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_chunk >= tl.load(p_offsets + num_seqs):  # the grid has spare chunks at the end
         return
-    # The chunk's sequence: the last whose first chunk is at or before it (offsets[lo] <= i_chunk < offsets[hi]
-    # throughout; a zero-length sequence shares its first chunk with the next one, which the search passes over).
-    lo, hi = tl.full([], 0, tl.int32), num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if tl.load(p_offsets + mid) <= i_chunk:
-            lo = mid
-        else:
-            hi = mid
-    i_s = lo
-    t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
-    i_c = i_chunk - tl.load(p_offsets + i_s)
+    t0, t1, i_c = _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk)
     i_g = i_h // heads_per_group
     o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
     a = tl.load(p_A + i_h).to(tl.float32)
@@ -131,12 +199,13 @@ def _ssd_varlen_outputs_kernel(
 def launch_ssd_varlen_scan(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, state_cache: Tensor, cu_seqlens: Tensor,
     state_indices: Tensor, has_initial_state: Tensor, out: Tensor, dt_bias: Tensor | None, dt_softplus: bool,
-    blocks: SSDBlocks, tile: int,
+    blocks: SSDBlocks, tile: int, split_walk: bool,
 ) -> None:  # fmt: skip
     """The walk, then the outputs, over checked tensors (`ssd_varlen_scan_fwd` in interface.py): x [T, H, P], dt
     [T, H], B and C [T, G, N] (the last dimension contiguous), A, D and dt_bias [H] contiguous, state_cache [slots,
     H, P, N], cu_seqlens, state_indices and has_initial_state of S >= 1 sequences, out [T, H, P]; chunks of `tile`
-    tokens."""
+    tokens; the walk in one kernel, or split in two (`split_walk`: the chunks' own contributions in parallel, then
+    a pass down each sequence that only adds them up)."""
     num_tokens, heads, head_dim = x.shape
     num_seqs, state_size = state_indices.shape[0], B.shape[-1]
     # Each sequence's first chunk: the chunks of the sequences before it (no host sync: the grid takes a bound).
@@ -152,11 +221,22 @@ def launch_ssd_varlen_scan(
     }  # fmt: skip
     dt_bias = dt_bias if dt_bias is not None else A  # never read without HAS_DT_BIAS
     walk_tiles = cdiv(state_size, blocks.walk_n) * cdiv(head_dim, blocks.walk_p)
-    _ssd_varlen_walk_kernel[(num_seqs, walk_tiles, heads)](
-        x, dt, dt_bias, A, B, state_cache, cu_seqlens, state_indices, has_initial_state, offsets, walk,
-        **stride_args("cache", state_cache, "shpn"), **common, BLOCK_P=blocks.walk_p, BLOCK_N=blocks.walk_n,
-        num_warps=blocks.walk_warps,
-    )  # fmt: skip
+    walk_blocks = {"BLOCK_P": blocks.walk_p, "BLOCK_N": blocks.walk_n, "num_warps": blocks.walk_warps}
+    cache_strides = stride_args("cache", state_cache, "shpn")
+    if split_walk:
+        decay = x.new_empty(max_chunks, heads, dtype=torch.float32)
+        _ssd_varlen_chunk_states_kernel[(max_chunks, walk_tiles, heads)](
+            x, dt, dt_bias, A, B, cu_seqlens, offsets, walk, decay, num_seqs, **common, **walk_blocks,
+        )  # fmt: skip
+        _ssd_varlen_state_pass_kernel[(num_seqs, walk_tiles, heads)](
+            state_cache, state_indices, has_initial_state, offsets, walk, decay, heads, head_dim, state_size,
+            **cache_strides, **walk_blocks,
+        )  # fmt: skip
+    else:
+        _ssd_varlen_walk_kernel[(num_seqs, walk_tiles, heads)](
+            x, dt, dt_bias, A, B, state_cache, cu_seqlens, state_indices, has_initial_state, offsets, walk,
+            **cache_strides, **common, **walk_blocks,
+        )  # fmt: skip
     _ssd_varlen_outputs_kernel[(cdiv(head_dim, blocks.out_p), max_chunks, heads)](
         x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out, num_seqs,
         **stride_args("C", C, "tgn"), **stride_args("y", out, "thp"), **common, BLOCK_P=blocks.out_p,
