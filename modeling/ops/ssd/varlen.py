@@ -66,6 +66,15 @@ def _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk):
     return t0, t1, i_chunk - tl.load(p_offsets + lo)
 
 
+@triton.jit
+def _state_tile(i_pn, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile i_pn of a [P, N] state in [BLOCK_P, BLOCK_N] tiles (N's fastest): its rows, columns and mask."""
+    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
+    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return o_p, o_n, (o_p[:, None] < P) & (o_n[None, :] < N)
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _ssd_varlen_chunk_states_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_cu, p_offsets, p_walk, p_decay, num_seqs,
@@ -80,11 +89,8 @@ def _ssd_varlen_chunk_states_kernel(
     if i_chunk >= tl.load(p_offsets + num_seqs):
         return
     t0, t1, i_c = _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk)
-    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
     i_g = i_h // heads_per_group
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
     a = tl.load(p_A + i_h).to(tl.float32)
     _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
         p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
@@ -109,10 +115,7 @@ def _ssd_varlen_state_pass_kernel(
     it is decay[c] * that + the contribution; the last one goes into the sequence's slot. No products: a stream of
     loads that do not depend on the running state."""
     i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
     c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
     p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s + i_h * s_cache_h
     p_slot += o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
@@ -139,11 +142,8 @@ def _ssd_varlen_walk_kernel(
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_p = i_pn % tl.cdiv(N, BLOCK_N), i_pn // tl.cdiv(N, BLOCK_N)
     i_g = i_h // heads_per_group
-    o_p = i_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_pn = (o_p[:, None] < P) & (o_n[None, :] < N)
+    o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
     a = tl.load(p_A + i_h).to(tl.float32)
     p_x += i_h * s_x_h
     p_B += i_g * s_B_g
