@@ -25,11 +25,16 @@ HOPPER = GPUTarget("cuda", 90, 32)
 BACKEND = make_backend(HOPPER)
 
 
+def hopper_binder(kernel: JITFunction):
+    """`JITFunction.run`'s binder for HOPPER: a launch's arguments -> (bound arguments, specialization, options), the
+    specialization and options being what Triton keys its compiled variants by (dtypes, 16-byte alignment, integers
+    equal to 1 or divisible by 16, constexprs; num_warps and the other launch options)."""
+    return create_function_from_signature(kernel.signature, kernel.params, BACKEND)
+
+
 def compile_instead_of_launching(kernel: JITFunction, *args, grid, warmup, **kwargs):
     """`JITFunction.run`'s specialization and compile steps for HOPPER; the kernel is not launched."""
-    bound_args, specialization, options = create_function_from_signature(kernel.signature, kernel.params, BACKEND)(
-        *args, **kwargs
-    )
+    bound_args, specialization, options = hopper_binder(kernel)(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(BACKEND, kwargs, bound_args, specialization, options)
     triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
     print(f"COMPILED {kernel.__name__}", flush=True)
@@ -194,8 +199,8 @@ def mamba2_serving_scan():
             x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
             dt_softplus=True,
         )  # fmt: skip
-    # The variants bench_kernels' ssd_varlen_sweep times: chunks of 128, the walk split in two.
-    for variant in ({"tile": 128}, {"split_walk": True}):
+    # The variants bench_kernels' ssd_varlen_sweep times: other chunk lengths, the walk split in two.
+    for variant in ({"tile": 32}, {"tile": 128}, {"split_walk": True}, {"split_walk": True, "tile": 128}):
         ssd_varlen_scan_fwd(
             x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
             dt_softplus=True, **variant,

@@ -32,22 +32,21 @@ TWO_WORKERS_ENVIRONMENT = {} if torch.cuda.is_available() else {"VLLM_CPU_OMP_TH
 
 
 class HopperCompileKeys:
-    """Records the launches of Triton kernels (under the interpreter too) and gives, for each kernel, the compile-cache
-    keys Triton would give those launches on an H100 (`JITFunction.run`'s binder for sm_90: argument types, 16-byte
-    alignment, integers equal to 1 or divisible by 16, constexprs and launch options). One key, one compilation: a
-    test of "one compilation serves every batch shape" that needs no GPU."""
+    """Records the launches of Triton kernels (under the interpreter too) and gives, for each kernel, the keys an H100
+    compiles those launches' variants by (`compile_for_hopper.hopper_binder`: Triton's own binder for sm_90; the
+    process-wide debug and instrumentation options, which `JITFunction.run` adds, left out). One key, one
+    compilation: a test of "one compilation serves every batch shape" that needs no GPU."""
 
     def __init__(self, monkeypatch, *kernels):
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-        from triton.runtime.jit import JITFunction, create_function_from_signature
+        from compile_for_hopper import hopper_binder
+        from triton.runtime.jit import JITFunction
 
-        backend = make_backend(GPUTarget("cuda", 90, 32))
-        self.keys = {kernel.__name__: set() for kernel in kernels}
-        for kernel in kernels:
+        names = [kernel.__name__ for kernel in kernels]
+        assert len(set(names)) == len(names), f"kernels are told apart by name: {names}"
+        self.keys = {name: set() for name in names}
+        for kernel, name in zip(kernels, names):
             jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
-            bind = create_function_from_signature(jit.signature, jit.params, backend)
-            monkeypatch.setattr(kernel, "run", self._recording(kernel.run, bind, self.keys[kernel.__name__]))
+            monkeypatch.setattr(kernel, "run", self._recording(kernel.run, hopper_binder(jit), self.keys[name]))
 
     def counts(self) -> dict[str, int]:
         """How many variants of each kernel its launches so far compile (0: not launched)."""

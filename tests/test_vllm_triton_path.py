@@ -266,7 +266,7 @@ def assert_serving_kernels_compile_once(branch, metadata_builders, monkeypatch, 
             impl.attend_and_run_branch(
                 layer, query, None, None, in_proj_output, output, ssm_output, attn_metadata, ssm_metadata
             )  # fmt: skip
-    counts = {kernel: len(keys) for kernel, keys in compile_keys.keys.items()}
+    counts = compile_keys.counts()
     assert all(count == 1 for count in counts.values()), counts
 
 

@@ -7,14 +7,18 @@ are needed; the programs find their sequence on the device (no host sync, no met
              from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32 [chunks, H,
              P, N]) and writing the final state back into the slot (the sequences in parallel: their chains are
              independent)
-    outputs  one program per (block of P, chunk, head): y of the chunk's tokens (all chunks in parallel), its sequence
+    outputs  one program per (chunk, block of P, head): y of the chunk's tokens (all chunks in parallel), its sequence
              found by a binary search over the sequences' first chunks (no compile-time size tied to the batch: one
              compilation serves every number of prefills)
 
-The outputs kernel does not let Triton specialize on `num_seqs` (it would compile a batch of one prefill, and one of a
-multiple of 16, apart from the others: a stall while serving), nor the walk on the alignment of the slots (vLLM's
-Mamba metadata hands the prefills' slots as a slice past the decodes', at an alignment that changes with the number
-of decodes).
+`split_walk` replaces the walk by two kernels: chunk states (one program per chunk, block and head: each chunk's own
+contribution to the state and its decay, all chunks in parallel) and a pass (one program per sequence, block and
+head) that only chains them: fp32 multiply-adds down the sequence, no products on the chain.
+
+No kernel lets Triton specialize on `num_seqs` (it would compile a batch of one prefill, and one of a multiple of 16,
+apart from the others: a stall while serving), nor on the alignment of the slots (vLLM's Mamba metadata hands the
+prefills' slots as a slice past the decodes', at an alignment that changes with the number of decodes). Chunks run
+on the grid's first axis (up to 2^31 - 1 programs; the others stop at 65535).
 
 dt is the raw step: its bias and softplus are applied in both kernels (`dt_bias`, `dt_softplus`), as the reference
 applies them.
@@ -53,8 +57,7 @@ def _varlen_chunk(
 @triton.jit
 def _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk):
     """Packed chunk i_chunk's sequence, its tokens [t0, t1), and the chunk's number i_c in it: the last sequence whose
-    first chunk is at or before i_chunk (offsets[lo] <= i_chunk < offsets[hi] throughout the binary search; a
-    zero-length sequence shares its first chunk with the next one, which the search passes over)."""
+    first chunk is at or before i_chunk (offsets[lo] <= i_chunk < offsets[hi] throughout the binary search)."""
     lo, hi = tl.full([], 0, tl.int32), num_seqs
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -141,6 +144,8 @@ def _ssd_varlen_walk_kernel(
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """The walk down sequence i_s's chunks for one tile of one head's state: walk[c] = the state entering chunk c,
+    then the state leaving it = exp(G_last) * that + the chunk's contribution; the last one into the slot."""
     i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_g = i_h // heads_per_group
     o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
@@ -175,7 +180,7 @@ def _ssd_varlen_outputs_kernel(
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    i_p, i_chunk, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_chunk, i_p, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if i_chunk >= tl.load(p_offsets + num_seqs):  # the grid has spare chunks at the end
         return
     t0, t1, i_c = _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk)
@@ -237,7 +242,7 @@ def launch_ssd_varlen_scan(
             x, dt, dt_bias, A, B, state_cache, cu_seqlens, state_indices, has_initial_state, offsets, walk,
             **cache_strides, **common, **walk_blocks,
         )  # fmt: skip
-    _ssd_varlen_outputs_kernel[(cdiv(head_dim, blocks.out_p), max_chunks, heads)](
+    _ssd_varlen_outputs_kernel[(max_chunks, cdiv(head_dim, blocks.out_p), heads)](
         x, dt, dt_bias, A, B, C, D, cu_seqlens, offsets, walk, out, num_seqs,
         **stride_args("C", C, "tgn"), **stride_args("y", out, "thp"), **common, BLOCK_P=blocks.out_p,
         BLOCK_N=blocks.out_n, num_warps=blocks.out_warps,
