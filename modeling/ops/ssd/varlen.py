@@ -4,9 +4,9 @@ cut into its own chunks of L tokens from its first token, so that no chunk holds
 are needed; the programs find their sequence on the device (no host sync, no metadata from the caller):
 
     walk     one program per (sequence, block of P and N, head) walks the sequence's chunks in order, starting
-             from its slot's state (zeros for a fresh one), storing the state entering each chunk (fp32 [chunks, H,
-             P, N]) and writing the final state back into the slot (the sequences in parallel: their chains are
-             independent)
+             from its slot's state (zeros for a fresh one), carrying it in fp32, storing the state entering each
+             chunk ([chunks, H, P, N] in x's dtype, in which the outputs' products take it) and writing the final
+             state back into the slot (the sequences in parallel: their chains are independent)
     outputs  one program per (chunk, block of P, head): y of the chunk's tokens (all chunks in parallel), its sequence
              found by a binary search over the sequences' first chunks (no compile-time size tied to the batch: one
              compilation serves every number of prefills)
@@ -161,7 +161,8 @@ def _ssd_varlen_walk_kernel(
     if tl.load(p_init + i_s):
         b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
     for i_c in range(c1 - c0):
-        tl.store(p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
+        p_entering = p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N
+        tl.store(p_entering, b_carry.to(p_walk.dtype.element_ty), mask=m_pn)
         _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
             p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
         )
@@ -218,7 +219,10 @@ def launch_ssd_varlen_scan(
     offsets = torch.zeros(num_seqs + 1, dtype=torch.int32, device=x.device)
     torch.cumsum(torch.div(lengths + tile - 1, tile, rounding_mode="floor"), 0, dtype=torch.int32, out=offsets[1:])
     max_chunks = cdiv(num_tokens, tile) + num_seqs
-    walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=torch.float32)
+    # The states entering the chunks in the dtype the outputs' products take them in (x's: bf16 states for bf16
+    # inputs, half the bytes of fp32 and the same y); the split walk sums fp32 contributions in them, so fp32.
+    walk_dtype = torch.float32 if split_walk else x.dtype
+    walk = x.new_empty(max_chunks, heads, head_dim, state_size, dtype=walk_dtype)
     common = {
         "H": heads, "P": head_dim, "N": state_size, "heads_per_group": heads // B.shape[1],
         **stride_args("x", x, "thp"), **stride_args("dt", dt, "th"), **stride_args("B", B, "tgn"), "L": tile,
