@@ -363,6 +363,23 @@ def test_the_triton_scan_refuses_what_it_cannot_compute():
         ssd_chunk_scan_fn(wide, dt[..., :1], A[:1], B[:, :, :1], C[:, :, :1], D[:1])
 
 
+def test_the_forward_stores_the_states_in_the_inputs_dtype_and_gives_the_same_outputs():
+    """The training forward stores the states entering the chunks in x's dtype (bf16 here), not fp32: the outputs
+    kernel rounds them to it for its products anyway, so y is bit for bit the y computed from fp32 states."""
+    from modeling.ops.ssd.forward import launch_ssd_chunk_walk, launch_ssd_outputs_fwd, pick_ssd_blocks
+    from modeling.ops.ssd.interface import ssd_chunk_scan_fwd
+
+    inputs = scan_inputs(21, 2, 150, 2, 24, 2, 32, dtype=torch.bfloat16)
+    x, dt, A, B, C, D, h0 = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "initial_state"))
+    blocks = pick_ssd_blocks(24, 32)
+    y, _ = ssd_chunk_scan_fwd(x, dt, A, B, C, D, h0, None, 64, blocks)
+    states, _ = launch_ssd_chunk_walk(x, dt, A, B, None, h0, 64, blocks, reverse=False, with_end=False)
+    assert states.dtype == torch.float32 and states.abs().max() > 1
+    y_fp32_states = torch.full_like(x, float("nan"))
+    launch_ssd_outputs_fwd(x, dt, A, B, C, D, None, states, y_fp32_states, 64, blocks)
+    assert torch.equal(y, y_fp32_states)
+
+
 # Packed prefills: a sequence continuing its slot across two tiles of 64, one of a single token (fresh), one
 # continuing with fewer tokens than a tile, a long fresh one; three padding tokens after them.
 VARLEN_LENGTHS, VARLEN_SLOTS, VARLEN_INITIAL = [70, 1, 9, 133], [4, 0, 6, 2], [True, False, True, False]

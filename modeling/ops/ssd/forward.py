@@ -7,7 +7,7 @@ the chunk's start to token i, fp32, computed in each program from dt), xdt_j = x
     output:                    y_i = e_i H_c C_i + sum_{j <= i} M_ij (C_i . B_j) xdt_j + D x_i
 with a_c = exp(G_last), w_j = exp(G_last - G_j), e_i = exp(G_i), M_ij = exp(G_i - G_j). Two launches:
     walk    one program per (row and head, block of P, block of N) walks the chunks in order, storing the state
-            entering each chunk (fp32 [b, chunks, H, P, N]) and the final state         (sequential over chunks)
+            entering each chunk ([b, chunks, H, P, N]) and the final state              (sequential over chunks)
     outputs one program per (row and head, chunk, block of P): the two terms of y        (all chunks in parallel)
 The walk is one kernel for both directions: the backward walks the state gradients back with it.
 The backward (backward.py) recomputes the states rather than keeping them: they are P*N/L fp32 values per token and
@@ -122,7 +122,7 @@ def _ssd_chunk_walk_kernel(
         b_carry = tl.load(p_start, mask=m_pn, other=0.0).to(tl.float32)
     for i_step in range(num_chunks):
         i_c = num_chunks - 1 - i_step if REVERSE else i_step
-        tl.store(p_walk + tl.cast(i_c, tl.int64) * H * P * N, b_carry, mask=m_pn)
+        tl.store(p_walk + tl.cast(i_c, tl.int64) * H * P * N, b_carry.to(p_walk.dtype.element_ty), mask=m_pn)
         _, t, m_t, b_dt, b_G, G_last, _, continues, reaches_end, _, carried = _chunk_decays(
             p_dt, p_seg, a, i_b, i_h, i_c, T, s_dt_b, s_dt_t, s_dt_h, s_seg_b, s_seg_t, L, HAS_SEQ
         )
@@ -280,16 +280,16 @@ def pick_ssd_blocks(head_dim: int, state_size: int, **overrides) -> SSDBlocks:
 
 def launch_ssd_chunk_walk(
     u: Tensor, dt: Tensor, A: Tensor, K: Tensor, segments: Tensor | None, start: Tensor | None, chunk: int,
-    blocks: SSDBlocks, reverse: bool, with_end: bool = True,
+    blocks: SSDBlocks, reverse: bool, with_end: bool = True, walk_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """The walk over the chunks (`_ssd_chunk_walk_kernel`) over checked tensors: the states entering every chunk and
     the final state from (x, B) and the initial state, or with `reverse` the gradients of the states at every chunk's
-    end and of the initial state from (dy, C) and the final state's gradient. Returns (walk fp32 [b, chunks, H, P, N],
-    end fp32 [b, H, P, N] or None without `with_end`)."""
+    end and of the initial state from (dy, C) and the final state's gradient. Returns (walk [b, chunks, H, P, N] in
+    `walk_dtype` (the running state is fp32 either way), end fp32 [b, H, P, N] or None without `with_end`)."""
     batch, _, heads, head_dim = u.shape
     state_size = K.shape[-1]
     shapes = shape_args(u, K, chunk)
-    walk = u.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=torch.float32)
+    walk = u.new_empty(batch, shapes["num_chunks"], heads, head_dim, state_size, dtype=walk_dtype)
     end = u.new_empty(batch, heads, head_dim, state_size, dtype=torch.float32) if with_end else None
     grid = (cdiv(state_size, blocks.walk_n), cdiv(head_dim, blocks.walk_p), batch * heads)
     _ssd_chunk_walk_kernel[grid](

@@ -72,10 +72,13 @@ def ssd_chunk_scan_fwd(
     segments: Tensor | None, chunk_size: int, blocks: SSDBlocks, with_final_state: bool = True,
 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """y and the final state (None without `with_final_state`) over checked inputs: A and D contiguous, `initial`
-    fp32 contiguous or None, `segments` from `sequence_segments`. Keeps nothing: the backward recomputes the states."""
+    fp32 contiguous or None, `segments` from `sequence_segments`. Keeps nothing: the backward recomputes the states
+    (in fp32: it multiplies states and their gradients in fp32). Here they feed only the outputs' products, which
+    take them in x's dtype: stored in it, the same y from half the bytes for bf16 inputs."""
     states, final_state = launch_ssd_chunk_walk(
-        x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=with_final_state
-    )
+        x, dt, A, B, segments, initial, chunk_size, blocks, reverse=False, with_end=with_final_state,
+        walk_dtype=x.dtype,
+    )  # fmt: skip
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     launch_ssd_outputs_fwd(x, dt, A, B, C, D, segments, states, y, chunk_size, blocks)
     return y, final_state
