@@ -1118,7 +1118,7 @@ def bench_ssd_varlen_sweep(args) -> list[Row]:
             dt_softplus=True, **knobs,
         )  # fmt: skip
 
-    # Chunks of 128 store half the states (the walk's fp32 [chunks, H, P, N], 2x the scan's other bytes at 64); the
+    # Chunks of 128 store half the states (the walk's [chunks, H, P, N], more than the scan's other bytes at 64); the
     # split walk takes the products off the chain of chunks (varlen.py).
     combos = [{"walk_p": 16, "walk_n": 32}, {"walk_p": 16, "walk_warps": 2}, {"tile": 32}, {"tile": 128},
               {"tile": 128, "out_n": 32}, {"tile": 128, "out_p": 32, "out_warps": 8}, {"split_walk": True},
