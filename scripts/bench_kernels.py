@@ -1096,8 +1096,8 @@ def bench_ssd_varlen_sweep(args) -> list[Row]:
     """The serving SSD scan (`ssd_varlen_scan_fwd`) alone at the prefill shape (`--prefill-*`; E = --serve-channels
     in heads of 64, one group, N 128: `hybrid-mamba2`'s), x, B and C views of one conv output as served: its launch
     shapes one knob at a time and the kernels' chunk length (`tile`), then where the default's time goes (the walk,
-    the outputs)."""
-    from modeling.ops.ssd.interface import ssd_varlen_scan_fwd
+    the outputs), beside the training forward on the same tokens."""
+    from modeling.ops.ssd.interface import ssd_chunk_scan_fn, ssd_varlen_scan_fwd
 
     b = prefill_batch(args)
     head_dim, state = 64, 128
@@ -1123,7 +1123,18 @@ def bench_ssd_varlen_sweep(args) -> list[Row]:
     combos = [{"walk_p": 16, "walk_n": 32}, {"walk_p": 16, "walk_warps": 2}, {"tile": 32}, {"tile": 128},
               {"tile": 128, "out_n": 32}, {"tile": 128, "out_p": 32, "out_warps": 8}, {"split_walk": True},
               {"split_walk": True, "walk_p": 64, "walk_n": 128}, {"split_walk": True, "tile": 128}]  # fmt: skip
-    return sweep("ssd varlen", shape, run, SSD_FWD_KNOBS + combos) + kernel_breakdown("ssd varlen", shape, run)
+    rows = sweep("ssd varlen", shape, run, SSD_FWD_KNOBS + combos) + kernel_breakdown("ssd varlen", shape, run)
+
+    # The anchor: the training forward on the same tokens as one row (the same walk and outputs algorithm with the
+    # step precomputed, no slots), in this process: at 1 x 8192 it took 0.235 ms where the serving scan took 0.396.
+    step = F.softplus(dt.float() + dt_bias)
+    with torch.no_grad():
+        rows.append(Row("ssd varlen", "anchor: training forward, one row", shape,
+                        median_ms(lambda: ssd_chunk_scan_fn(x[None], step[None], A, B[None], C[None], D))))  # fmt: skip
+        rows += kernel_breakdown(
+            "ssd fwd (training)", shape, lambda: ssd_chunk_scan_fn(x[None], step[None], A, B[None], C[None], D)
+        )
+    return rows
 
 
 def bench_prefill_scan_sweep(args) -> list[Row]:
