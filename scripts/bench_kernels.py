@@ -1128,12 +1128,13 @@ def bench_ssd_varlen_sweep(args) -> list[Row]:
     # The anchor: the training forward on the same tokens as one row (the same walk and outputs algorithm with the
     # step precomputed, no slots), in this process: at 1 x 8192 it took 0.235 ms where the serving scan took 0.396.
     step = F.softplus(dt.float() + dt_bias)
+
+    def training_forward():
+        return ssd_chunk_scan_fn(x[None], step[None], A, B[None], C[None], D)
+
     with torch.no_grad():
-        rows.append(Row("ssd varlen", "anchor: training forward, one row", shape,
-                        median_ms(lambda: ssd_chunk_scan_fn(x[None], step[None], A, B[None], C[None], D))))  # fmt: skip
-        rows += kernel_breakdown(
-            "ssd fwd (training)", shape, lambda: ssd_chunk_scan_fn(x[None], step[None], A, B[None], C[None], D)
-        )
+        rows.append(Row("ssd varlen", "anchor: training forward, one row", shape, median_ms(training_forward)))
+        rows += kernel_breakdown("ssd fwd (training)", shape, training_forward)
     return rows
 
 

@@ -193,14 +193,12 @@ def mamba2_serving_scan():
     dt = torch.randn(tokens, heads + 8, dtype=torch.bfloat16)[:, :heads]
     A, D, dt_bias = -torch.rand(heads), torch.randn(heads), torch.randn(heads)
     bounds, slots = torch.tensor([0, 70, 71, 200], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
-    for cache_dtype in (torch.float32, torch.bfloat16):
+    # Served: an fp32 and a bf16 cache; then the variants bench_kernels' ssd_varlen_sweep times (other chunk
+    # lengths, the walk split in two).
+    sweep_variants = ({"tile": 32}, {"tile": 128}, {"split_walk": True}, {"split_walk": True, "tile": 128})
+    cases = [(torch.float32, {}), (torch.bfloat16, {}), *((torch.bfloat16, variant) for variant in sweep_variants)]
+    for cache_dtype, variant in cases:
         cache = torch.randn(4, heads, head_dim, state, dtype=cache_dtype)
-        ssd_varlen_scan_fwd(
-            x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
-            dt_softplus=True,
-        )  # fmt: skip
-    # The variants bench_kernels' ssd_varlen_sweep times: other chunk lengths, the walk split in two.
-    for variant in ({"tile": 32}, {"tile": 128}, {"split_walk": True}, {"split_walk": True, "tile": 128}):
         ssd_varlen_scan_fwd(
             x, dt, A, B, C, D, cache, bounds, slots, torch.tensor([True, False, True]), 256, dt_bias=dt_bias,
             dt_softplus=True, **variant,

@@ -78,6 +78,37 @@ def _state_tile(i_pn, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     return o_p, o_n, (o_p[:, None] < P) & (o_n[None, :] < N)
 
 
+@triton.jit
+def _own_contribution(
+    p_x, p_B, p_dt, p_dt_bias, a, i_h, t0, t1, i_c, o_p, o_n, P, N,
+    s_x_t, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_n,
+    L: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Chunk i_c's own contribution to the state leaving it (as if it entered at zero), fp32 [BLOCK_P, BLOCK_N] of
+    one head (p_x, p_B at the head's and its group's first element), and its log decay G_last."""
+    _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
+        p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
+    )
+    b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
+    b_own = _chunk_contribution(p_x, p_B, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION)
+    return b_own, G_last
+
+
+@triton.jit
+def _slot_state(
+    p_cache, p_idx, p_init, i_s, i_h, o_p, o_n, m_pn, s_cache_s, s_cache_h, s_cache_p, s_cache_n,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Sequence i_s's slot tile of head i_h: its pointers, and the state it starts from (fp32: the slot's if it has
+    an initial state, else zeros)."""
+    p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s + i_h * s_cache_h
+    p_slot += o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
+    b_start = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if tl.load(p_init + i_s):
+        b_start = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+    return p_slot, b_start
+
+
 @triton.jit(do_not_specialize=["num_seqs"])
 def _ssd_varlen_chunk_states_kernel(
     p_x, p_dt, p_dt_bias, p_A, p_B, p_cu, p_offsets, p_walk, p_decay, num_seqs,
@@ -94,14 +125,10 @@ def _ssd_varlen_chunk_states_kernel(
     t0, t1, i_c = _chunk_sequence(p_cu, p_offsets, num_seqs, i_chunk)
     i_g = i_h // heads_per_group
     o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
-    a = tl.load(p_A + i_h).to(tl.float32)
-    _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
-        p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
-    )
-    b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
-    b_own = _chunk_contribution(
-        p_x + i_h * s_x_h, p_B + i_g * s_B_g, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
-    )
+    b_own, G_last = _own_contribution(
+        p_x + i_h * s_x_h, p_B + i_g * s_B_g, p_dt, p_dt_bias, tl.load(p_A + i_h).to(tl.float32), i_h, t0, t1, i_c,
+        o_p, o_n, P, N, s_x_t, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_n, L, HAS_DT_BIAS, DT_SOFTPLUS, PRECISION,
+    )  # fmt: skip
     p_walk += (tl.cast(i_chunk, tl.int64) * H + i_h) * P * N + o_p[:, None] * N + o_n[None, :]
     tl.store(p_walk, b_own, mask=m_pn)
     if i_pn == 0:
@@ -120,11 +147,9 @@ def _ssd_varlen_state_pass_kernel(
     i_s, i_pn, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_p, o_n, m_pn = _state_tile(i_pn, P, N, BLOCK_P, BLOCK_N)
     c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
-    p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s + i_h * s_cache_h
-    p_slot += o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
-    b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    if tl.load(p_init + i_s):
-        b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+    p_slot, b_carry = _slot_state(
+        p_cache, p_idx, p_init, i_s, i_h, o_p, o_n, m_pn, s_cache_s, s_cache_h, s_cache_p, s_cache_n, BLOCK_P, BLOCK_N
+    )
     p_walk += i_h * P * N + o_p[:, None] * N + o_n[None, :]
     for i_chunk in tl.range(c0, c1, num_stages=2):
         p_chunk = p_walk + tl.cast(i_chunk, tl.int64) * H * P * N
@@ -153,23 +178,19 @@ def _ssd_varlen_walk_kernel(
     p_x += i_h * s_x_h
     p_B += i_g * s_B_g
     p_walk += i_h * P * N + o_p[:, None] * N + o_n[None, :]
-    p_cache += i_h * s_cache_h + o_p[:, None] * s_cache_p + o_n[None, :] * s_cache_n
     t0, t1 = tl.load(p_cu + i_s).to(tl.int64), tl.load(p_cu + i_s + 1).to(tl.int64)
     c0, c1 = tl.load(p_offsets + i_s), tl.load(p_offsets + i_s + 1)
-    p_slot = p_cache + tl.load(p_idx + i_s).to(tl.int64) * s_cache_s
-    b_carry = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    if tl.load(p_init + i_s):
-        b_carry = tl.load(p_slot, mask=m_pn, other=0.0).to(tl.float32)
+    p_slot, b_carry = _slot_state(
+        p_cache, p_idx, p_init, i_s, i_h, o_p, o_n, m_pn, s_cache_s, s_cache_h, s_cache_p, s_cache_n, BLOCK_P, BLOCK_N
+    )
     for i_c in range(c1 - c0):
         p_entering = p_walk + tl.cast(c0 + i_c, tl.int64) * H * P * N
         tl.store(p_entering, b_carry.to(p_walk.dtype.element_ty), mask=m_pn)
-        _, t, m_t, b_dt, b_G, G_last = _varlen_chunk(
-            p_dt, p_dt_bias, a, i_h, t0, t1, i_c, s_dt_t, s_dt_h, L, HAS_DT_BIAS, DT_SOFTPLUS
-        )
-        b_weight = tl.where(m_t, tl.exp(G_last - b_G), 0.0) * b_dt
-        b_carry = tl.exp(G_last) * b_carry + _chunk_contribution(
-            p_x, p_B, t, m_t, o_p, o_n, b_weight, P, N, s_x_t, s_x_p, s_B_t, s_B_n, PRECISION
-        )
+        b_own, G_last = _own_contribution(
+            p_x, p_B, p_dt, p_dt_bias, a, i_h, t0, t1, i_c, o_p, o_n, P, N,
+            s_x_t, s_x_p, s_dt_t, s_dt_h, s_B_t, s_B_n, L, HAS_DT_BIAS, DT_SOFTPLUS, PRECISION,
+        )  # fmt: skip
+        b_carry = tl.exp(G_last) * b_carry + b_own
     tl.store(p_slot, b_carry.to(p_cache.dtype.element_ty), mask=m_pn)
 
 
